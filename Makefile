@@ -1,0 +1,39 @@
+# Two newcomer commands: `make demo` (the main job on the default spec) and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPEC ?= examples/default.yaml
+ARGS ?=
+
+.PHONY: venv test test-all models engines plan inspect clean
+
+venv: $(VENV)/.installed
+
+# Creates and reuses a local virtualenv; `pip install torch==2.13.0` takes the CPU build from local disk.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: venv
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+test-all: venv
+	$(PY) -m pytest $(ARGS)
+
+models: venv
+	$(PY) -m pipeline models
+
+inspect: venv
+	$(PY) -m pipeline inspect $(SPEC) $(ARGS)
+
+plan: venv
+	$(PY) -m pipeline plan $(SPEC) --dry-run $(ARGS)
+
+engines: venv models
+	$(PY) -m pipeline engines $(SPEC) $(ARGS)
+
+clean:
+	rm -rf out .cache/engines

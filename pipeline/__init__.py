@@ -1,0 +1,3 @@
+"""Build-and-deploy pipeline: HF checkpoints -> engines -> Triton speculative decoding."""
+
+__version__ = "0.1.0"
