@@ -1,0 +1,135 @@
+"""Command line: `python -m pipeline <command> SPEC [--set key=value ...]`.
+
+A user error (bad spec, incompatible checkpoints, models that cannot fit) prints one line
+`error: <field path>: <problem>; fix: <fix>` and exits 2, without a traceback.
+
+Other modules add a subcommand by exposing `add_parser(subparsers)` (calling `add_spec_arguments`
+on their parser and `set_defaults(func=handler)`, handler(args) -> exit code) and listing their
+module in SUBCOMMAND_MODULES. They import heavy packages (torch) inside the handler, so
+`validate`, `inspect` and `plan` stay fast on a machine without an ML stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.spec import SpecError, load_spec
+
+# Modules of other subcommands (each exposes add_parser(subparsers)).
+SUBCOMMAND_MODULES: list[str] = []
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """The SPEC positional and repeatable `--set key.path=value` overrides."""
+    parser.add_argument("spec", help="the spec YAML file, e.g. examples/default.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field, e.g. --set models.draft.qformat=int4_wo (repeatable)")
+
+
+def spec_from_args(args: argparse.Namespace, check_paths: bool = True):
+    """Load the spec named by parsed arguments, with its overrides."""
+    return load_spec(args.spec, args.overrides, check_paths=check_paths)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check the spec's types, fields, paths and combinations."""
+    spec = spec_from_args(args)
+    print(f"ok: {args.spec} is a valid spec (name {spec.name}, mode {spec.speculative.mode}, toolchain {spec.toolchain})")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Check checkpoints (architecture, tokenizers, head shapes) and print the memory plan."""
+    from pipeline.checkpoints import inspect_spec
+
+    report = inspect_spec(spec_from_args(args))
+    print(report.render())
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the steps and keys, or with --dry-run the trtllm shell script for a GPU host."""
+    from pipeline import plan as planning
+    from pipeline.checkpoints import inspect_spec
+
+    spec = spec_from_args(args)
+    inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
+    if args.dry_run:
+        from pipeline.trtllm import render_script
+
+        sys.stdout.write(render_script(planning.make_plan(spec, "trtllm")))
+        return 0
+    toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
+    if notice:
+        print(notice)
+    from pipeline.execute import describe_plan
+
+    print(describe_plan(planning.make_plan(spec, toolchain)))
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    """Build (or reuse from the cache) every engine of the spec."""
+    from pipeline.execute import run_engines
+
+    return run_engines(spec_from_args(args), toolchain=args.toolchain)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """Extract SmolLM2-135M-Instruct and derive the example draft and heads under models/."""
+    from pipeline.models import make_models
+
+    make_models(args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a spec")
+    add_spec_arguments(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("inspect", help="check checkpoints and print the memory plan")
+    add_spec_arguments(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("plan", help="print the build steps and their cache keys")
+    add_spec_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="print the trtllm shell script a GPU host runs as is")
+    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="plan for this toolchain instead of the spec's")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("engines", help="build the engines (cached)")
+    add_spec_arguments(p)
+    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="use this toolchain instead of the spec's")
+    p.set_defaults(func=cmd_engines)
+
+    p = sub.add_parser("models", help="extract SmolLM2 and make the example draft/heads under models/")
+    p.add_argument("--out", default="models", help="folder for the checkpoints (default: models)")
+    p.set_defaults(func=cmd_models)
+
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; user errors become one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished steps stay cached, the unfinished one left nothing behind", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

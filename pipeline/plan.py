@@ -1,0 +1,279 @@
+"""The build plan: per model, ordered steps (convert or quantize, then build), each with a content key.
+
+A step's key is a hash of its inputs' digests (checkpoint files or the upstream step's key), its
+parameters (the part of the spec it depends on) and the toolchain versions. The execute stage skips
+a step whose key is already in the cache; the trtllm script does the same on the GPU host.
+Changing only the draft's qformat changes only the draft's keys.
+
+This module imports no torch: it reads JSON and hashes files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import stack
+from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec, SpecError
+
+# Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
+CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
+
+
+@dataclass(frozen=True)
+class Step:
+    """One cached unit of work: `kind` is convert, quantize or build; `role` is target or draft."""
+
+    role: str
+    kind: str
+    key: str
+    params: dict
+    inputs: dict  # name -> digest: checkpoint folder digests, or the upstream step's key
+    versions: dict
+    upstream: str | None = None  # key of the step whose output this one reads
+
+    @property
+    def label(self) -> str:
+        """Short human name, e.g. `target/quantize`."""
+        return f"{self.role}/{self.kind}"
+
+
+@dataclass
+class Plan:
+    """All steps of a spec for one toolchain, in execution order."""
+
+    spec: Spec
+    toolchain: str
+    steps: list[Step] = field(default_factory=list)
+
+    def engine_step(self, role: str) -> Step:
+        """The build step whose output is `role`'s engine."""
+        return next(s for s in self.steps if s.role == role and s.kind == "build")
+
+    @property
+    def roles(self) -> list[str]:
+        """Models with an engine, target first."""
+        return list(dict.fromkeys(s.role for s in self.steps))
+
+    @property
+    def build_key(self) -> str:
+        """One hash over every engine's key: names a complete set of engines."""
+        return _hash({role: self.engine_step(role).key for role in self.roles})
+
+
+# ----------------------------------------------------------------------------- toolchain
+
+
+def toolchain_versions(toolchain: str) -> dict:
+    """The versions a step's output depends on, per toolchain."""
+    if toolchain == "trtllm":
+        return {"tensorrt_llm": stack.TRTLLM_VERSION, "tensorrt": stack.TENSORRT_VERSION,
+                "triton_container": stack.TRITON_CONTAINER_TAG}
+    try:
+        torch_version = importlib.metadata.version("torch")  # metadata only: torch is not imported
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {"reference_format": stack.REFERENCE_FORMAT_VERSION, "torch": torch_version}
+
+
+def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:
+    """(toolchain, notice): `auto` is trtllm where tensorrt_llm imports and a GPU is present, else reference."""
+    if spec.toolchain != "auto":
+        return spec.toolchain, None
+    has_trtllm = importlib.util.find_spec("tensorrt_llm") is not None
+    has_gpu = shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+    if has_trtllm and has_gpu:
+        return "trtllm", None
+    missing = "tensorrt_llm is not installed" if not has_trtllm else "no NVIDIA GPU is visible"
+    return "reference", f"notice: toolchain auto -> reference ({missing}); set toolchain: trtllm on a GPU host"
+
+
+# ----------------------------------------------------------------------------- digests
+
+
+class DigestCache:
+    """sha256 of files, remembered by (path, size, mtime) in a JSON file so re-planning is fast."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, list] = {}
+        self.dirty = False
+        if path is not None and path.is_file():
+            try:
+                self.entries = json.loads(path.read_text())
+            except (OSError, ValueError):
+                self.entries = {}
+
+    def file_digest(self, file: Path) -> str:
+        """The sha256 hex digest of one file."""
+        st = file.stat()
+        name = str(file.resolve())
+        known = self.entries.get(name)
+        if known and known[0] == st.st_size and known[1] == st.st_mtime_ns:
+            return known[2]
+        with open(file, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        self.entries[name] = [st.st_size, st.st_mtime_ns, digest]
+        self.dirty = True
+        return digest
+
+    def save(self) -> None:
+        """Write the remembered digests (best effort: a read-only cache folder only costs speed)."""
+        if not self.dirty or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.path)
+            self.dirty = False
+        except OSError:
+            pass
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The files of a checkpoint folder that define it (top level, no hidden files), sorted."""
+    if folder.is_file():
+        return [folder]
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.suffix in CHECKPOINT_SUFFIXES)
+
+
+def folder_digest(folder: Path, digests: DigestCache) -> str:
+    """One digest over a checkpoint folder: names and contents of its defining files."""
+    return _hash({p.name: digests.file_digest(p) for p in checkpoint_files(folder)})
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:KEY_LENGTH]
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def read_architecture(checkpoint: Path, where: str) -> str:
+    """The `architectures[0]` of an HF config.json (no torch, no transformers)."""
+    config = checkpoint / "config.json"
+    if not config.is_file():
+        raise SpecError(where, f"{checkpoint} has no config.json", "point it at a Hugging Face checkpoint folder")
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except ValueError:
+        raise SpecError(where, f"{config} is not valid JSON", "repair or re-download the checkpoint") from None
+    if not archs:
+        raise SpecError(where, f"{config} names no architectures", "add \"architectures\": [\"LlamaForCausalLM\"]")
+    return archs[0]
+
+
+def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
+    """What the convert/quantize step of `role` depends on in the spec."""
+    s, e = spec.speculative, spec.engine
+    params = {
+        "architecture": read_architecture(model.checkpoint, f"models.{role}.checkpoint"),
+        "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
+        "tp_size": e.tp_size, "pp_size": e.pp_size,
+    }
+    if model.qformat in ("int4_wo", "int4_awq"):
+        params["group_size"] = model.group_size
+    if model.qformat in CALIBRATED_QFORMATS or model.kv_cache_dtype != "none":
+        params["calib_size"] = model.calib_size
+    if role == "target" and s.mode == "medusa":
+        params["medusa"] = {"max_draft_len": s.max_draft_len}
+    if role == "target" and s.mode == "eagle":
+        params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
+                           "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer}
+    return params
+
+
+def build_params(spec: Spec, role: str) -> dict:
+    """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
+    s, e = spec.speculative, spec.engine
+    if role == "draft":
+        mode, draft_len = None, 0  # the draft is a plain engine; the BLS asks it for K tokens
+    elif s.mode in ("draft_target", "ngram"):
+        mode, draft_len = "draft_tokens_external", s.max_draft_len  # tokens come from outside the engine
+    elif s.mode in ("medusa", "eagle"):
+        mode, draft_len = s.mode, s.max_draft_len
+    else:
+        mode, draft_len = None, 0
+    return {
+        "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
+        "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
+        # lossless acceptance compares the draft's q with the target's p: both engines return logits
+        "gather_generation_logits": bool(s.use_draft_logits),
+        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": 32,
+    }
+
+
+def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
+    """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
+    roles = [("target", spec.models.target)]
+    if spec.speculative.mode == "draft_target":
+        roles.append(("draft", spec.models.draft))
+    return roles
+
+
+def check_pickle_policy(spec: Spec) -> None:
+    """Refuse pickle weight files (arbitrary code on load) unless security.allow_pickle_weights."""
+    if spec.security.allow_pickle_weights:
+        return
+    for where, folder in named_checkpoints(spec):
+        files = [folder] if folder.is_file() else [p for p in folder.iterdir() if p.is_file()]
+        pickles = [p.name for p in files if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise SpecError(where, f"{folder} holds pickle weights ({', '.join(sorted(pickles))}), which can run code when loaded",
+                            "convert them to safetensors, or set security.allow_pickle_weights: true if you trust the source")
+
+
+def named_checkpoints(spec: Spec) -> list[tuple[str, Path]]:
+    """(field path, folder) of every checkpoint the spec names."""
+    named = [("models.target.checkpoint", spec.models.target.checkpoint)]
+    if spec.models.draft is not None:
+        named.append(("models.draft.checkpoint", spec.models.draft.checkpoint))
+    if spec.speculative.medusa is not None:
+        named.append(("speculative.medusa.checkpoint", spec.speculative.medusa.checkpoint))
+    if spec.speculative.eagle is not None:
+        named.append(("speculative.eagle.checkpoint", spec.speculative.eagle.checkpoint))
+    return named
+
+
+def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
+    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed."""
+    toolchain = toolchain or resolve_toolchain(spec)[0]
+    check_pickle_policy(spec)
+    own_digests = digests is None
+    if own_digests:
+        digests = DigestCache(spec.output.cache_dir / "digests.json")
+    versions = toolchain_versions(toolchain)
+    plan = Plan(spec=spec, toolchain=toolchain)
+    for role, model in model_roles(spec):
+        params = convert_params(spec, role, model)
+        inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
+        if "medusa" in params:
+            inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)
+        if "eagle" in params:
+            inputs["eagle"] = folder_digest(spec.speculative.eagle.checkpoint, digests)
+        kind = "quantize" if model.qformat in CALIBRATED_QFORMATS else "convert"
+        convert = Step(role=role, kind=kind, params=params, inputs=inputs, versions=versions,
+                       key=_hash({"kind": kind, "params": params, "inputs": inputs, "versions": versions}))
+        bparams = build_params(spec, role)
+        binputs = {"checkpoint": convert.key}
+        build = Step(role=role, kind="build", params=bparams, inputs=binputs, versions=versions, upstream=convert.key,
+                     key=_hash({"kind": "build", "params": bparams, "inputs": binputs, "versions": versions}))
+        plan.steps += [convert, build]
+    if own_digests:
+        digests.save()
+    return plan
+
+
+def build_key(spec: Spec, toolchain: str = "trtllm") -> str:
+    """A stable hash naming the complete engine set of `spec` (default: the GPU engines a cluster builds)."""
+    return make_plan(spec, toolchain).build_key
