@@ -1,0 +1,108 @@
+"""Proposers: where draft tokens come from. One small interface, one class per strategy.
+
+The engine calls, every decode step, `proposer.propose(inputs)` with one `ProposalInput` per running
+request, verifies the returned drafts in one target forward (`rejection_sampler.verify`), then
+calls `proposer.update(request_id, num_accepted, num_proposed)`; `release(request_id)` when a
+request leaves. A `Draft` with no tokens means "no speculation for this request this step": the
+engine then runs it as a plain decode row (verifying an empty draft is exactly plain decoding).
+
+- NgramProposer: prompt lookup, no model.
+- DraftModelProposer (draft_model.py): a small LlamaModel with its own KV cache.
+- MedusaProposer (medusa.py), EagleProposer (eagle.py): heads on the target's hidden states, trees.
+- PolicyProposer (policy.py): wraps any proposer with adaptive K and the switch-off rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ProposalInput:
+    """What a proposer may look at for one request."""
+
+    request_id: str
+    token_ids: list[int]  # every committed token: prompt, then generated
+    num_tokens: int  # K: the most draft tokens (nodes, for trees) the engine will verify
+    # [n, hidden] the target's final hidden states (after the final norm, i.e. the lm_head input) of the
+    # n rows that produced token_ids[-n:] in the last target forward: the prompt rows after prefill,
+    # the root and accepted-path rows after a verify step. Only for proposers with needs_hidden_states.
+    hidden_states: torch.Tensor | None = None
+    temperature: float = 0.0  # > 0: a draft model samples its tokens and returns q
+    generator: torch.Generator | None = None  # the request's randomness, for sampled drafts
+    max_new_tokens: int | None = None  # the request's output budget (short-output heuristic)
+    num_generated: int = 0  # tokens generated so far
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one request: a chain, or a tree when parents is set."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab] q each token was sampled from; None = deterministic
+    parents: list[int] | None = None  # tree drafts: parent node of each node, -1 = the root (last committed token)
+
+
+class Proposer(Protocol):
+    """The interface every proposer implements."""
+
+    needs_hidden_states: bool  # the engine must fill ProposalInput.hidden_states
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """One draft per input, in order (at most input.num_tokens tokens each)."""
+        ...
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Feedback after verification (adaptive strategies)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or cancelled request."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens, propose what followed.
+
+    Tries n = max_ngram down to min_ngram and takes the first (longest) n that matches; proposes up
+    to K of the tokens that followed that occurrence. Pays off when the output copies its input
+    (editing code, summarising or rewriting a given text).
+    """
+
+    needs_hidden_states = False
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram sizes must satisfy 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    @classmethod
+    def from_spec(cls, ngram_spec) -> "NgramProposer":
+        """Build from a `pipeline.spec.NgramSpec` (None: defaults)."""
+        return cls() if ngram_spec is None else cls(ngram_spec.min_ngram, ngram_spec.max_ngram)
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """A chain of up to K copied tokens per request (empty when nothing matches)."""
+        return [Draft(token_ids=self.lookup(inp.token_ids, inp.num_tokens)) for inp in inputs]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier match of the longest matching suffix."""
+        if k <= 0:
+            return []
+        context = torch.tensor(token_ids, dtype=torch.long)  # [L]
+        for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
+            windows = context[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a following token
+            hits = (windows == context[-n:]).all(dim=1).nonzero().flatten()  # [matches] start positions
+            if hits.numel():
+                start = int(hits[-1]) + n  # first token after the latest match
+                return token_ids[start:start + k]
+        return []
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Nothing to learn."""
+
+    def release(self, request_id: str) -> None:
+        """Nothing kept per request."""
