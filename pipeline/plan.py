@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import stack
+from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec, SpecError
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
 
 
@@ -159,25 +159,12 @@ def _hash(obj) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-def read_architecture(checkpoint: Path, where: str) -> str:
-    """The `architectures[0]` of an HF config.json (no torch, no transformers)."""
-    config = checkpoint / "config.json"
-    if not config.is_file():
-        raise SpecError(where, f"{checkpoint} has no config.json", "point it at a Hugging Face checkpoint folder")
-    try:
-        archs = json.loads(config.read_text()).get("architectures") or []
-    except ValueError:
-        raise SpecError(where, f"{config} is not valid JSON", "repair or re-download the checkpoint") from None
-    if not archs:
-        raise SpecError(where, f"{config} names no architectures", "add \"architectures\": [\"LlamaForCausalLM\"]")
-    return archs[0]
-
-
 def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
-    """What the convert/quantize step of `role` depends on in the spec."""
+    """What the convert/quantize step of `role` depends on in the spec (and the heads' shapes)."""
     s, e = spec.speculative, spec.engine
+    info = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
     params = {
-        "architecture": read_architecture(model.checkpoint, f"models.{role}.checkpoint"),
+        "architecture": info.architecture,
         "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
         "tp_size": e.tp_size, "pp_size": e.pp_size,
     }
@@ -186,10 +173,13 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
     if model.qformat in CALIBRATED_QFORMATS or model.kv_cache_dtype != "none":
         params["calib_size"] = model.calib_size
     if role == "target" and s.mode == "medusa":
-        params["medusa"] = {"max_draft_len": s.max_draft_len}
+        heads, _warnings = check_medusa(spec, info)
+        params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
     if role == "target" and s.mode == "eagle":
+        net, _warnings = check_eagle(spec, info)
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
-                           "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer}
+                           "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
+                           "net": net}
     return params
 
 
@@ -219,30 +209,6 @@ def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
     if spec.speculative.mode == "draft_target":
         roles.append(("draft", spec.models.draft))
     return roles
-
-
-def check_pickle_policy(spec: Spec) -> None:
-    """Refuse pickle weight files (arbitrary code on load) unless security.allow_pickle_weights."""
-    if spec.security.allow_pickle_weights:
-        return
-    for where, folder in named_checkpoints(spec):
-        files = [folder] if folder.is_file() else [p for p in folder.iterdir() if p.is_file()]
-        pickles = [p.name for p in files if p.suffix in PICKLE_SUFFIXES]
-        if pickles:
-            raise SpecError(where, f"{folder} holds pickle weights ({', '.join(sorted(pickles))}), which can run code when loaded",
-                            "convert them to safetensors, or set security.allow_pickle_weights: true if you trust the source")
-
-
-def named_checkpoints(spec: Spec) -> list[tuple[str, Path]]:
-    """(field path, folder) of every checkpoint the spec names."""
-    named = [("models.target.checkpoint", spec.models.target.checkpoint)]
-    if spec.models.draft is not None:
-        named.append(("models.draft.checkpoint", spec.models.draft.checkpoint))
-    if spec.speculative.medusa is not None:
-        named.append(("speculative.medusa.checkpoint", spec.speculative.medusa.checkpoint))
-    if spec.speculative.eagle is not None:
-        named.append(("speculative.eagle.checkpoint", spec.speculative.eagle.checkpoint))
-    return named
 
 
 def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
