@@ -1,0 +1,102 @@
+"""When to speculate and how far: a wrapper that applies the policy around any proposer.
+
+Speculation only pays when enough draft tokens are accepted and the target has spare compute:
+- adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
+  K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
+- per-request switch-off: once a request has `window` speculative steps behind it and its
+  acceptance over the last `window` steps is below `min_acceptance_rate`, it decodes plainly to the end;
+- batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
+  than `max_batch_for_speculation` requests run, nobody speculates this step (the target is
+  compute bound and verification rows are no longer free);
+- short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
+  speculate, and K never exceeds the tokens a request still needs.
+A request without speculation still goes to the wrapped proposer with num_tokens = 0, so a proposer
+that follows the context (EAGLE's features, a draft model's cache) can keep up cheaply.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from pipeline.reference.proposers import Draft, ProposalInput, Proposer
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the speculation policy (defaults from pipeline.spec.SpeculativeSpec)."""
+
+    num_draft_tokens: int = 4  # K a request starts with
+    max_draft_tokens: int = 8  # K never exceeds this (the engine's max_draft_len)
+    adaptive: bool = False  # adapt K per request from its acceptance
+    min_acceptance_rate: float = 0.1  # below this (over `window` steps) a request stops speculating
+    window: int = 8  # steps of history the switch-off looks at
+    max_batch_for_speculation: int = 32  # larger running batches decode plainly
+    min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
+
+    @classmethod
+    def from_spec(cls, speculative, adaptive: bool = False) -> "PolicyConfig":
+        """Take K, the limits and the thresholds from a `pipeline.spec.SpeculativeSpec`."""
+        return cls(num_draft_tokens=speculative.num_draft_tokens, max_draft_tokens=speculative.max_draft_len,
+                   adaptive=adaptive, min_acceptance_rate=speculative.min_acceptance_rate,
+                   max_batch_for_speculation=speculative.max_batch_for_speculation,
+                   min_new_tokens_for_speculation=speculative.min_new_tokens_for_speculation)
+
+
+@dataclass
+class _RequestPolicy:
+    """What the policy remembers about one request."""
+
+    draft_len: int
+    enabled: bool = True
+    history: deque = field(default_factory=deque)  # (accepted, proposed) of the last `window` steps
+
+
+class PolicyProposer:
+    """A proposer that applies `PolicyConfig` around another proposer."""
+
+    def __init__(self, inner: Proposer, config: PolicyConfig):
+        self.inner, self.config = inner, config
+        self.needs_hidden_states = inner.needs_hidden_states
+        self.requests: dict[str, _RequestPolicy] = {}
+
+    def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
+        """K for this request this step (0 = decode plainly)."""
+        cfg = self.config
+        state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
+        if not state.enabled or batch_size > cfg.max_batch_for_speculation:
+            return 0
+        k = min(state.draft_len, inp.num_tokens)
+        if inp.max_new_tokens is not None:
+            if inp.max_new_tokens < cfg.min_new_tokens_for_speculation:
+                return 0
+            k = min(k, inp.max_new_tokens - inp.num_generated - 1)  # the verify step adds one more token itself
+        return max(k, 0)
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
+        limited = [replace(inp, num_tokens=self.draft_len(inp, len(inputs))) for inp in inputs]
+        drafts = self.inner.propose(limited)
+        return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Adapt K and decide the switch-off from one verification."""
+        self.inner.update(request_id, num_accepted, num_proposed)
+        state = self.requests.get(request_id)
+        if state is None or num_proposed == 0:
+            return
+        cfg = self.config
+        if cfg.adaptive:
+            grown = state.draft_len + 2 if num_accepted == num_proposed else state.draft_len - 1
+            state.draft_len = max(1, min(grown, cfg.max_draft_tokens))
+        state.history.append((num_accepted, num_proposed))
+        if len(state.history) > cfg.window:
+            state.history.popleft()
+        accepted, proposed = (sum(col) for col in zip(*state.history))
+        if len(state.history) == cfg.window and accepted < cfg.min_acceptance_rate * proposed:
+            state.enabled = False
+
+    def release(self, request_id: str) -> None:
+        """Forget the request here and in the wrapped proposer."""
+        self.requests.pop(request_id, None)
+        self.inner.release(request_id)

@@ -1,0 +1,131 @@
+"""Proposers without an engine: n-gram lookup, tree building, the policy wrapper, metrics."""
+
+import pytest
+import torch
+
+from pipeline.reference.metrics import SpecStats, aggregate
+from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
+from pipeline.reference.tree import node_depths, path_to, tree_attention_mask, tree_from_choices
+
+
+def test_ngram_proposes_the_continuation_of_the_longest_suffix_match():
+    ngram = NgramProposer(min_ngram=1, max_ngram=3)
+    #            0  1  2  3  4  5  6  7  8  9
+    context = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
+    # suffix (2, 6, 7) never occurred before; (6, 7) did at 1 and 6 -> latest at 6, followed by 2, 6, 7
+    assert ngram.lookup(context, 3) == [2, 6, 7]
+    assert ngram.lookup(context, 1) == [2]
+
+
+def test_ngram_prefers_a_longer_match_over_a_later_shorter_one():
+    ngram = NgramProposer(min_ngram=1, max_ngram=2)
+    context = [1, 2, 3, 4, 9, 2, 5, 1, 2]
+    # (1, 2) occurs at 0 -> [3, 4]; the single token 2 also occurs later at 5 -> [5], but 2-grams win
+    assert ngram.lookup(context, 2) == [3, 4]
+
+
+def test_ngram_without_a_match_or_budget_proposes_nothing():
+    ngram = NgramProposer(min_ngram=2, max_ngram=3)
+    assert ngram.lookup([1, 2, 3, 4], 4) == []
+    assert ngram.lookup([1, 2, 1, 2], 0) == []
+    drafts = ngram.propose([ProposalInput("a", [1, 2, 3, 1, 2], 2), ProposalInput("b", [7], 2)])
+    assert [d.token_ids for d in drafts] == [[3, 1], []]
+
+
+def test_ngram_sizes_are_checked():
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramProposer(min_ngram=3, max_ngram=2)
+
+
+def test_tree_from_choices_orders_breadth_first_and_links_parents():
+    tree = tree_from_choices([[1], [0, 0], [0], [0, 1], [1, 0], [0, 0, 0]])
+    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert tree.parents == (-1, -1, 0, 0, 1, 2)
+    assert tree.depths == [1, 1, 2, 2, 2, 3] == node_depths(tree.parents)
+    assert tree.ranks == [0, 1, 0, 1, 0, 0]
+    assert path_to(tree.parents, 5) == [0, 2, 5]
+
+
+def test_tree_missing_prefix_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"\[0, 1\] has no parent path \[0\]"):
+        tree_from_choices([[1], [0, 1]])
+
+
+def test_tree_attention_mask_sees_ancestors_only():
+    mask = tree_attention_mask([-1, -1, 0])  # rows: root, n0, n1, n2 (child of n0)
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+class FixedProposer:
+    """Proposes 0, 1, 2, ... up to K and records what it was asked."""
+
+    needs_hidden_states = False
+
+    def __init__(self):
+        self.asked: list[int] = []
+        self.released: list[str] = []
+
+    def propose(self, inputs):
+        self.asked = [inp.num_tokens for inp in inputs]
+        return [Draft(token_ids=list(range(inp.num_tokens))) for inp in inputs]
+
+    def update(self, request_id, num_accepted, num_proposed):
+        pass
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+def ask(policy, n=1, max_new_tokens=128, num_generated=0, k=8):
+    inputs = [ProposalInput(f"r{i}", [1, 2, 3], k, max_new_tokens=max_new_tokens, num_generated=num_generated)
+              for i in range(n)]
+    return [len(d.token_ids) for d in policy.propose(inputs)]
+
+
+def test_policy_adapts_draft_length_like_transformers_heuristic():
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, max_draft_tokens=8, adaptive=True))
+    assert ask(policy) == [4]
+    policy.update("r0", 4, 4)  # all accepted: +2
+    assert ask(policy) == [6]
+    policy.update("r0", 6, 6)
+    assert ask(policy) == [8]  # capped at max_draft_tokens
+    policy.update("r0", 2, 8)  # a rejection: -1
+    assert ask(policy) == [7]
+
+
+def test_policy_switches_a_request_off_when_acceptance_stays_low():
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
+    ask(policy, n=2)
+    for _ in range(3):
+        policy.update("r0", 0, 4)  # r0: nothing accepted
+        policy.update("r1", 3, 4)  # r1: 75 %
+    assert ask(policy, n=2) == [0, 4]
+
+
+def test_policy_batch_gate_and_short_outputs():
+    inner = FixedProposer()
+    policy = PolicyProposer(inner, PolicyConfig(num_draft_tokens=4, max_batch_for_speculation=2,
+                                                min_new_tokens_for_speculation=8))
+    assert ask(policy, n=3) == [0, 0, 0]  # three running > 2: nobody speculates
+    assert inner.asked == [0, 0, 0]  # the proposer still sees every request (to keep up)
+    assert ask(policy, n=2) == [4, 4]
+    assert ask(policy, n=1, max_new_tokens=4) == [0]  # short output
+    assert ask(policy, n=1, max_new_tokens=10, num_generated=7) == [2]  # K <= tokens still needed - 1
+    policy.release("r0")
+    assert inner.released == ["r0"] and "r0" not in policy.requests
+
+
+def test_metrics_count_positions_and_derive_rates():
+    a, b = SpecStats(), SpecStats()
+    a.record_step(draft_depth=0, num_draft_tokens=0, num_accepted=0, num_new_tokens=1)  # prefill
+    a.record_step(draft_depth=4, num_draft_tokens=4, num_accepted=2, num_new_tokens=3)
+    a.record_step(draft_depth=4, num_draft_tokens=4, num_accepted=4, num_new_tokens=5)
+    b.record_step(draft_depth=2, num_draft_tokens=3, num_accepted=0, num_new_tokens=1)  # a 3-node tree of depth 2
+    assert a.acceptance_rate == 6 / 8 and a.mean_accepted_length == 3.0 and a.tokens_per_forward == 3.0
+    assert a.acceptance_by_position == [1.0, 1.0, 0.5, 0.5]
+    total = aggregate([a, b])
+    assert total.draft_tokens == 11 and total.accepted_tokens == 6 and total.spec_steps == 3
+    assert total.proposed_by_position == [3, 3, 2, 2] and total.accepted_by_position == [2, 2, 1, 1]
+    assert total.summary()["tokens_per_forward"] == round(10 / 4, 4)
