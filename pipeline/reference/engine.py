@@ -1,0 +1,455 @@
+"""LLMEngine: a step-level in-flight scheduler over the paged-KV Llama model, with speculative decoding.
+
+Every `step()` builds one batch and runs one target forward:
+1. running requests (already prefilled) each bring their last token, plus a draft when a proposer
+   is set: a chain or a tree, verified in the same forward;
+2. waiting requests join while the batch has room (max_batch_size) and the step has token budget
+   (max_num_tokens); a prompt longer than the budget is prefilled in chunks over several steps.
+   A joining request first takes the cached KV blocks of its longest known prefix, so it computes
+   only the tokens after it; a request with external `draft_tokens` verifies them in its prefill.
+Verification goes through `rejection_sampler.verify`: greedy (accepted prefix + the target's token)
+or lossless rejection sampling with the draft's q. A row without a draft is plain decoding (an
+empty draft verifies to exactly the sampled token). Requests leave as soon as they finish; their
+blocks go back to the block manager, full blocks stay cached for later requests with the prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
+from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.proposers import Draft, ProposalInput, Proposer
+from pipeline.reference.rejection_sampler import DraftToVerify, verify
+from pipeline.reference.tree import chain_parents, node_depths, path_to
+from pipeline.reference.sampling import SamplingParams, find_stop, make_generator, probabilities, process_logits
+
+__all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
+           "SamplingParams", "SpecStats"]
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses; names the offending field and how to fix it."""
+
+    def __init__(self, field: str, fix: str):
+        self.field, self.fix = field, fix
+        super().__init__(f"{field}: {fix}")
+
+
+@dataclass
+class Request:
+    """One generation request (see brief §2 / the tensorrtllm backend's inputs)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    draft_tokens: list[int] | None = None  # external draft to verify; the request then finishes after one step
+    draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab] q of the external draft (lossless)
+    num_draft_tokens: int | None = None  # K for the engine's proposer (None: max_draft_len)
+    return_generation_logits: bool = False
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (or summed over requests)."""
+
+    draft_tokens: int = 0  # draft tokens (tree nodes) sent to verification
+    accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at depth k + 1
+    target_forwards: int = 0  # target forwards that produced tokens for this request
+    generated_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per target forward (1.0 without speculation)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def add(self, other: "SpecStats") -> None:
+        """Accumulate another request's counters."""
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.target_forwards += other.target_forwards
+        self.generated_tokens += other.generated_tokens
+        for k, n in enumerate(other.accepted_by_position):
+            if k == len(self.accepted_by_position):
+                self.accepted_by_position.append(0)
+            self.accepted_by_position[k] += n
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "end_id" | "cancelled" | "error"
+    error: str | None = None
+    generation_logits: torch.Tensor | None = None  # [len(new_token_ids), vocab] raw target logits
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine (the build_config of an engine directory) and KV cache sizing."""
+
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    max_draft_len: int = 0
+    tokens_per_block: int = 32
+    num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
+    kv_cache_quant_algo: str | None = None  # None | "INT8"
+    batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
+
+    @classmethod
+    def from_engine_config(cls, config: dict, **overrides) -> "EngineConfig":
+        """From an engine directory's config.json dict."""
+        build = config.get("build_config", {})
+        quant = config.get("pretrained_config", {}).get("quantization") or {}
+        values = {k: build[k] for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_draft_len")
+                  if build.get(k) is not None}
+        values["tokens_per_block"] = build.get("plugin_config", {}).get("tokens_per_block", 32)
+        values["kv_cache_quant_algo"] = quant.get("kv_cache_quant_algo")
+        return cls(**{**values, **overrides})
+
+    def blocks_needed(self) -> int:
+        """Default KV block count."""
+        return 2 * self.max_batch_size * -(-(self.max_seq_len + self.max_draft_len + 1) // self.tokens_per_block)
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters."""
+
+    steps: int = 0
+    computed_tokens: int = 0  # tokens that went through the model (prefix-cache hits excluded)
+    cached_prompt_tokens: int = 0  # prompt tokens served from reused KV blocks
+    preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # summed over finished requests
+
+
+@dataclass
+class _Sequence:
+    """Scheduler state of one request."""
+
+    request: Request
+    tokens: list[int]  # prompt + committed generated tokens
+    generator: torch.Generator
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    prefilled: bool = False  # the prompt is fully computed and at least one token generated
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [n, hidden] rows for the proposer (see ProposalInput)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+@dataclass
+class _Scheduled:
+    """One sequence's part of this step's forward."""
+
+    seq: _Sequence
+    new_tokens: list[int]
+    draft: Draft | None = None  # tokens after the root; None for a partial prefill chunk
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.draft is not None
+
+
+class LLMEngine:
+    """In-flight batching engine over one LlamaModel (see the module docstring)."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None, proposer: Proposer | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        self.proposer = proposer
+        model.batch_invariant = self.config.batch_invariant
+        num_blocks = self.config.num_blocks or self.config.blocks_needed()
+        self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.config.kv_cache_quant_algo)
+        self.blocks = BlockManager(num_blocks, self.config.tokens_per_block)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.stats = EngineStats()
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, proposer: Proposer | None = None, **config_overrides) -> "LLMEngine":
+        """Load an engine directory (config.json + rank0.safetensors) with its build limits."""
+        from pipeline.reference.checkpoint import load_engine
+
+        config, state = load_engine(engine_dir)
+        engine_config = EngineConfig.from_engine_config(config, **config_overrides)
+        model = LlamaModel(config["pretrained_config"], state, batch_invariant=engine_config.batch_invariant)
+        return cls(model, engine_config, proposer)
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises EngineInputError for bad input without touching other requests."""
+        if any(s.request.request_id == request.request_id for s in (*self.waiting, *self.running)):
+            raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
+        self.validate(request)
+        self.waiting.append(_Sequence(request=request, tokens=list(request.prompt_ids), generator=make_generator(request.sampling)))
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; its final output comes from the next step(). False if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.request_id == request_id:
+                    queue.remove(seq)
+                    self._pending.append(self._finish(seq, [], "cancelled"))
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits, runs or has an undelivered output."""
+        return bool(self.waiting or self.running or self._pending)
+
+    def abort_running(self, error: str) -> list[RequestOutput]:
+        """Finish every running request with `error` (after a failed step: their KV may be partial); waiting ones stay."""
+        failed, self.running = self.running, []
+        return [self._finish(seq, [], "error", error=error) for seq in failed]
+
+    def validate(self, r: Request) -> None:
+        """Raise EngineInputError(field, fix) for the first problem of a request against this engine's limits."""
+        cfg, vocab = self.config, self.model.vocab_size
+        if not r.prompt_ids:
+            raise EngineInputError("prompt_ids", "send at least one token")
+        if len(r.prompt_ids) > cfg.max_input_len:
+            raise EngineInputError("prompt_ids", f"{len(r.prompt_ids)} tokens exceed max_input_len {cfg.max_input_len}; shorten the prompt")
+        if any(not 0 <= t < vocab for t in r.prompt_ids):
+            raise EngineInputError("prompt_ids", f"token ids must be in [0, {vocab})")
+        if r.max_new_tokens < 1:
+            raise EngineInputError("max_new_tokens", "ask for at least one token")
+        if len(r.prompt_ids) + r.max_new_tokens > cfg.max_seq_len:
+            raise EngineInputError("max_new_tokens", f"prompt + max_new_tokens exceed max_seq_len {cfg.max_seq_len}; ask for at most {cfg.max_seq_len - len(r.prompt_ids)}")
+        if r.num_draft_tokens is not None and not 0 <= r.num_draft_tokens <= cfg.max_draft_len:
+            raise EngineInputError("num_draft_tokens", f"use 0..{cfg.max_draft_len} (the engine's max_draft_len)")
+        if r.draft_tokens is not None:
+            if len(r.draft_tokens) > cfg.max_draft_len:
+                raise EngineInputError("draft_tokens", f"{len(r.draft_tokens)} tokens exceed max_draft_len {cfg.max_draft_len}; send fewer")
+            if any(not 0 <= t < vocab for t in r.draft_tokens):
+                raise EngineInputError("draft_tokens", f"token ids must be in [0, {vocab})")
+        if r.draft_probs is not None:
+            want = (len(r.draft_tokens or []), vocab)
+            if r.draft_tokens is None or tuple(r.draft_probs.shape) != want:
+                raise EngineInputError("draft_probs", f"shape must be [len(draft_tokens), vocab] = {list(want)}, got {list(r.draft_probs.shape)}")
+        for name, fix in r.sampling.problems(vocab):
+            raise EngineInputError(f"sampling.{name}", fix)
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one target forward, verify/sample, and return this step's outputs."""
+        outputs, self._pending = self._pending, []
+        batch = self._schedule()
+        if not batch:
+            return outputs
+        self.stats.steps += 1
+        inputs = [self._sequence_input(s) for s in batch]
+        want_hidden = self.proposer is not None and getattr(self.proposer, "needs_hidden_states", False)
+        result = self.model(inputs, self.kv, return_hidden=want_hidden)
+        self.stats.computed_tokens += sum(len(s.new_tokens) for s in batch)
+        logit_row = hidden_row = 0
+        for sched, inp in zip(batch, inputs):
+            n_rows = len(inp.logits_rows)
+            logits = result.logits[logit_row:logit_row + n_rows]  # [n_rows, vocab]
+            hidden = result.hidden_states[hidden_row:hidden_row + len(sched.new_tokens)] if want_hidden else None
+            logit_row += n_rows
+            hidden_row += len(sched.new_tokens)
+            out = self._advance(sched, logits, hidden)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _schedule(self) -> list[_Scheduled]:
+        """Pick this step's rows: running requests (with drafts), then waiting ones while room and budget last."""
+        budget = self.config.max_num_tokens
+        batch: list[_Scheduled] = []
+        decoding = [s for s in self.running if s.prefilled]
+        drafts = dict(zip((s.request.request_id for s in decoding), self._propose(decoding)))
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted to make room for an earlier request
+                continue
+            if not seq.prefilled:
+                sched = self._prefill_rows(seq, budget)
+                if sched is None or not self._reserve(seq, len(sched.new_tokens)):
+                    continue
+            else:
+                draft = drafts[seq.request.request_id]
+                sched = _Scheduled(seq, [seq.tokens[-1]] + draft.token_ids, draft, draft.probs)
+                if not self._reserve(seq, len(sched.new_tokens)):
+                    sched = _Scheduled(seq, [seq.tokens[-1]], Draft(token_ids=[]))  # drop the draft first
+                    if not self._reserve(seq, 1) and not self._preempt_for(seq):
+                        continue
+            batch.append(sched)
+            budget -= len(sched.new_tokens)
+        while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
+            seq = self.waiting[0]
+            if not seq.blocks.blocks:
+                seq.blocks = self.blocks.match_prefix(seq.tokens)
+                seq.num_computed = len(seq.blocks.blocks) * self.config.tokens_per_block
+                self.stats.cached_prompt_tokens += seq.num_computed
+            sched = self._prefill_rows(seq, budget)
+            if sched is None or not self._reserve(seq, len(sched.new_tokens)):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append(sched)
+            budget -= len(sched.new_tokens)
+        return batch
+
+    def _prefill_rows(self, seq: _Sequence, budget: int) -> _Scheduled | None:
+        """The rest of seq's prompt (plus its external draft) if it fits the budget, else a chunk; None if nothing fits."""
+        remaining = seq.tokens[seq.num_computed:]
+        external = list(seq.request.draft_tokens or [])
+        if len(remaining) + len(external) <= budget:
+            return _Scheduled(seq, remaining + external, Draft(token_ids=external), seq.request.draft_probs)
+        chunk = min(budget, len(remaining) - 1)  # the last prompt token waits for the completing step
+        return _Scheduled(seq, remaining[:chunk]) if chunk > 0 else None
+
+    def _propose(self, seqs: list[_Sequence]) -> list[Draft]:
+        """Drafts for running requests from the proposer (empty drafts when there is none)."""
+        if self.proposer is None or not seqs:
+            return [Draft(token_ids=[]) for _ in seqs]
+        inputs = []
+        for seq in seqs:
+            k = seq.request.num_draft_tokens if seq.request.num_draft_tokens is not None else self.config.max_draft_len
+            k = min(k, self.config.max_seq_len - len(seq.tokens) - 1)
+            hidden = torch.cat(seq.hidden) if seq.hidden else None
+            inputs.append(ProposalInput(request_id=seq.request.request_id, token_ids=list(seq.tokens), num_tokens=max(k, 0),
+                                        hidden_states=hidden, temperature=seq.request.sampling.temperature,
+                                        generator=seq.generator, max_new_tokens=seq.request.max_new_tokens,
+                                        num_generated=seq.num_generated))
+        drafts = self.proposer.propose(inputs)
+        return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, inputs)]
+
+    def _reserve(self, seq: _Sequence, num_new: int) -> bool:
+        """Make sure seq's blocks hold num_computed + num_new tokens."""
+        try:
+            self.blocks.ensure_capacity(seq.blocks, seq.num_computed + num_new)
+            return True
+        except OutOfBlocks:
+            return False
+
+    def _preempt_for(self, seq: _Sequence) -> bool:
+        """Requeue requests scheduled after seq (newest first; they recompute from cached blocks later) until seq gets a block."""
+        for victim in reversed(self.running[self.running.index(seq) + 1:]):
+            self._requeue(victim)
+            if self._reserve(seq, 1):
+                return True
+        self._requeue(seq)
+        return False
+
+    def _requeue(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.num_computed, seq.prefilled, seq.hidden = 0, False, []
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _sequence_input(self, sched: _Scheduled) -> SequenceInput:
+        seq = sched.seq
+        n = len(sched.new_tokens)
+        parents = None
+        rows: list[int] = []
+        if sched.completes_prompt:
+            n_draft = len(sched.draft.token_ids)
+            root = n - n_draft - 1  # the last committed token
+            rows = list(range(root, n))
+            if sched.draft.parents is not None:
+                parents = list(range(-1, root - 1)) + [root - 1] + [root + 1 + p for p in sched.draft.parents]
+        return SequenceInput(sched.new_tokens, seq.num_computed, seq.blocks.blocks, parents=parents, logits_rows=rows)
+
+    # ------------------------------------------------------------ after the forward
+    def _advance(self, sched: _Scheduled, logits: torch.Tensor, hidden: torch.Tensor | None) -> RequestOutput | None:
+        """Verify / sample one sequence's rows and commit its tokens; returns its output (None mid-prefill)."""
+        seq, req = sched.seq, sched.seq.request
+        if not sched.completes_prompt:  # a prefill chunk: KV written, nothing to sample yet
+            seq.num_computed += len(sched.new_tokens)
+            self.blocks.commit(seq.blocks, seq.tokens, seq.num_computed)
+            if hidden is not None:
+                seq.hidden.append(hidden)
+            return None
+        draft = sched.draft
+        parents = draft.parents if draft.parents is not None else chain_parents(len(draft.token_ids))
+        root_index = seq.num_computed + len(sched.new_tokens) - len(draft.token_ids) - 1  # sequence index of the root
+        contexts = [seq.tokens[:root_index + 1] + [draft.token_ids[j] for j in path_to(parents, r - 1)]
+                    for r in range(len(draft.token_ids) + 1)]  # row r: root (r = 0) or node r - 1
+        processed = process_logits(logits, contexts, seq.num_prompt, req.sampling)  # [rows, vocab]
+        p = None if req.sampling.greedy else probabilities(processed, req.sampling)
+        verdict = verify(processed, [DraftToVerify(draft.token_ids, draft.parents, sched.draft_probs, req.sampling.greedy,
+                                                    seq.generator)], p)[0]
+        # KV: the root and the accepted path are valid; move a tree path next to the root
+        path_slots = [root_index + 1 + j for j in verdict.accepted_nodes]
+        wanted_slots = list(range(root_index + 1, root_index + 1 + verdict.num_accepted))
+        if path_slots != wanted_slots:
+            self.kv.copy_slots(self._slots(seq, path_slots), self._slots(seq, wanted_slots))
+        first_row = len(sched.new_tokens) - len(draft.token_ids) - 1
+        rows = [0] + [j + 1 for j in verdict.accepted_nodes]  # logits rows that produced the new tokens
+        self._count_speculation(seq, draft, verdict.num_accepted)
+        if self.proposer is not None and draft.token_ids:
+            self.proposer.update(req.request_id, verdict.num_accepted, len(draft.token_ids))
+        if hidden is not None:
+            own = [first_row + r for r in rows]
+            seq.hidden = ([*seq.hidden, hidden[:first_row]] if not seq.prefilled else []) + [hidden[own]]
+        seq.prefilled = True
+        new = verdict.token_ids[:req.max_new_tokens - seq.num_generated]
+        seq.tokens += new
+        keep, reason = find_stop(seq.tokens[seq.num_prompt:], len(new), req.sampling)
+        if keep < len(new):
+            del seq.tokens[len(seq.tokens) - len(new) + keep:]
+        new = new[:keep]
+        seq.num_computed = min(root_index + 1 + verdict.num_accepted, len(seq.tokens) - 1)
+        self.blocks.commit(seq.blocks, seq.tokens, seq.num_computed)
+        gen_logits = logits[rows[:len(new)]] if req.return_generation_logits else None
+        if reason is None and (seq.num_generated >= req.max_new_tokens or req.draft_tokens is not None):
+            reason = "length"
+        if reason is not None:
+            self.running.remove(seq)
+            return self._finish(seq, new, reason, gen_logits)
+        return RequestOutput(req.request_id, new, generation_logits=gen_logits, stats=seq.stats)
+
+    def _slots(self, seq: _Sequence, positions: list[int]) -> torch.Tensor:
+        bs = self.config.tokens_per_block
+        return torch.tensor([seq.blocks.blocks[i // bs] * bs + i % bs for i in positions], dtype=torch.long)
+
+    def _count_speculation(self, seq: _Sequence, draft: Draft, num_accepted: int) -> None:
+        st = seq.stats
+        st.target_forwards += 1
+        st.draft_tokens += len(draft.token_ids)
+        st.accepted_tokens += num_accepted
+        depth = max(node_depths(draft.parents), default=0) if draft.parents else len(draft.token_ids)
+        while len(st.accepted_by_position) < depth:
+            st.accepted_by_position.append(0)
+        for k in range(num_accepted):
+            st.accepted_by_position[k] += 1
+
+    def _finish(self, seq: _Sequence, new: list[int], reason: str, gen_logits: torch.Tensor | None = None,
+                error: str | None = None) -> RequestOutput:
+        self.blocks.free(seq.blocks)
+        if self.proposer is not None:
+            self.proposer.release(seq.request.request_id)
+        seq.stats.generated_tokens = seq.num_generated
+        self.stats.spec.add(seq.stats)
+        return RequestOutput(seq.request.request_id, new, finished=True, finish_reason=reason, error=error,
+                             generation_logits=gen_logits, stats=seq.stats)
+

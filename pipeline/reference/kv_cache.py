@@ -1,0 +1,166 @@
+"""Paged KV cache: preallocated K/V slots in fixed-size blocks, and a block manager with prefix reuse.
+
+Storage (`KVCache`): per layer a [num_blocks * block_size, kv_heads, head_size] tensor for K and
+one for V; token t of a sequence lives in slot block_table[t // block_size] * block_size +
+t % block_size. With kv_dtype "INT8" values are stored as int8 with one float scale per
+(slot, kv head) (symmetric, absmax / 127) and dequantized when gathered.
+
+Reuse (`BlockManager`): a full block is identified by a hash chained over the token prefix,
+hash(parent block's hash, this block's tokens), so equal hashes mean equal prefixes (up to 64-bit
+collisions of Python's tuple hash). A request whose prompt starts with cached full blocks takes
+them (reference count + 1) and computes only the rest. Blocks whose count drops to zero keep
+their hash and sit in an LRU list; they are reused by a later request with the same prefix or
+evicted (least recently freed first) when fresh blocks run out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCache:
+    """Preallocated K/V storage for every layer, addressed by slot index."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                 dtype: torch.dtype, kv_dtype: str | None = None):
+        if kv_dtype not in (None, "INT8"):
+            raise ValueError(f"kv_cache_quant_algo {kv_dtype!r} is not supported by the reference engine; use null or INT8")
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.quantized = kv_dtype == "INT8"
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_size)
+        store = torch.int8 if self.quantized else dtype
+        self.k = torch.zeros(shape, dtype=store)  # [layers, slots, KVH, D]
+        self.v = torch.zeros(shape, dtype=store)
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32)  # [layers, slots, KVH, 1]
+            self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, KVH, D] at `slots` [T]."""
+        if not self.quantized:
+            self.k[layer, slots] = k
+            self.v[layer, slots] = v
+            return
+        for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # [T, KVH, 1]
+            store[layer, slots] = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+            scales[layer, slots] = scale
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [S, KVH, D] of `slots` [S], in the compute dtype."""
+        k, v = self.k[layer, slots], self.v[layer, slots]
+        if self.quantized:
+            k = (k.float() * self.k_scale[layer, slots]).to(self.dtype)
+            v = (v.float() * self.v_scale[layer, slots]).to(self.dtype)
+        return k, v
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots `src` [n] to `dst` [n] (compacts an accepted tree path)."""
+        for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
+            t[:, dst] = t[:, src]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of preallocated storage."""
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class OutOfBlocks(RuntimeError):
+    """No free or evictable block is left."""
+
+
+@dataclass
+class SequenceBlocks:
+    """The blocks of one sequence and the chained hashes of its leading full, committed blocks."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # hashes[i] belongs to blocks[i]
+
+
+class BlockManager:
+    """Allocation, reference counts, prefix hashing and LRU eviction of KV blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}  # hash -> block holding that prefix
+        self.free_fresh = list(range(num_blocks - 1, -1, -1))  # unhashed free blocks (stack)
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # hashed free blocks, least recently freed first
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (fresh or evictable)."""
+        return len(self.free_fresh) + len(self.free_cached)
+
+    def chain_hash(self, parent: int | None, tokens: list[int]) -> int:
+        """The hash of a full block given its parent block's hash and its tokens."""
+        return hash((parent, tuple(tokens)))
+
+    def match_prefix(self, token_ids: list[int]) -> SequenceBlocks:
+        """Take the cached full blocks that start `token_ids` (never all of it: the last token is always computed)."""
+        seq = SequenceBlocks()
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            h = self.chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+            parent = h
+        return seq
+
+    def ensure_capacity(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Append fresh blocks until `seq` holds `num_tokens` tokens; raises OutOfBlocks (allocating nothing)."""
+        needed = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if needed > self.num_free:
+            raise OutOfBlocks(f"need {needed} KV blocks, {self.num_free} free")
+        for _ in range(max(needed, 0)):
+            seq.blocks.append(self._allocate())
+
+    def commit(self, seq: SequenceBlocks, token_ids: list[int], num_valid: int) -> None:
+        """Hash the full blocks among the first `num_valid` tokens (whose KV is final) so others can reuse them."""
+        bs = self.block_size
+        for i in range(len(seq.hashes), num_valid // bs):
+            h = self.chain_hash(seq.hashes[-1] if seq.hashes else None, token_ids[i * bs:(i + 1) * bs])
+            seq.hashes.append(h)
+            block = seq.blocks[i]
+            if h not in self.by_hash and self.block_hash[block] is None:
+                self.by_hash[h] = block
+                self.block_hash[block] = h
+
+    def free(self, seq: SequenceBlocks) -> None:
+        """Release every block of a finished or cancelled sequence."""
+        self.release_blocks(seq.blocks)
+        seq.blocks, seq.hashes = [], []
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Decrement reference counts; unreferenced hashed blocks become evictable, others fresh."""
+        for block in reversed(blocks):  # tail blocks first, so the LRU evicts them before the shared prefix
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                if self.block_hash[block] is not None:
+                    self.free_cached[block] = None
+                else:
+                    self.free_fresh.append(block)
+
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            self.free_cached.pop(block, None)
+        self.ref_count[block] += 1
+
+    def _allocate(self) -> int:
+        if self.free_fresh:
+            block = self.free_fresh.pop()
+        else:
+            block, _ = self.free_cached.popitem(last=False)  # evict the least recently freed cached block
+            del self.by_hash[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        return block

@@ -1,0 +1,290 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+One forward runs a batch of ragged sequences: each sequence brings some new tokens on top of its
+cached prefix (prefill, chunked prefill, decode, draft verification). The new tokens of all
+sequences are flattened into one token batch for the matmuls; attention runs per sequence, over the
+sequence's cached prefix (gathered from its KV blocks) plus its new tokens. The new tokens of a
+sequence may form a tree (Medusa / EAGLE verification): then a token attends to the prefix and to
+its ancestors only, at position prefix_len + depth.
+
+`batch_invariant=True` makes every token's result independent of what else is in the batch
+(bit-for-bit): every linear runs row by row (CPU GEMM kernels round differently for different row
+counts) and every token attends through its own SDPA call over exactly its visible keys, the same
+shapes plain one-token decoding uses. Exactness tests (speculative == plain) use it; it costs
+nothing at batch 1 decode and a lot on long prefills.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.reference.kv_cache import KVCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def config_from_hf(hf: dict, dtype: str = "float32") -> dict:
+    """The engine's `pretrained_config` dict (docs: brief §1 / TensorRT-LLM layout) from an HF config.json dict."""
+    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; use one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    rope = hf.get("rope_parameters") or {}  # transformers 5 nests rope settings here
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    heads = hf["num_attention_heads"]
+    return {
+        "architecture": arch, "dtype": dtype,
+        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
+        "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "head_size": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        "rotary_scaling": dict(scaling) if scaling else None,
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-5), "hidden_act": hf.get("hidden_act", "silu"),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "attention_bias": bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128},
+        "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+        "medusa": None, "eagle": None,
+    }
+
+
+def rope_inv_freq(config: dict) -> torch.Tensor:
+    """RoPE inverse frequencies [head_size / 2] in fp32, with HF rope scaling (linear, dynamic, llama3)."""
+    dim, base = config["head_size"], config["rotary_base"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.get("rotary_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    if kind in ("default", "dynamic"):
+        # dynamic NTK equals default up to max_position_embeddings; the engine caps max_seq_len there.
+        return inv_freq
+    raise ValueError(f"rotary_scaling type {kind!r} is not supported; use default, linear, dynamic or llama3")
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's part of a forward: new tokens on top of `num_cached` tokens already in its KV blocks."""
+
+    token_ids: list[int]  # new tokens; their KV goes to logical slots num_cached .. num_cached + len - 1
+    num_cached: int  # prefix tokens whose KV is already in the cache
+    block_table: list[int]  # KV blocks of this sequence, enough for num_cached + len(token_ids) tokens
+    parents: list[int] | None = None  # tree over new tokens: parent index of token i (< i), -1 = hangs off the prefix
+    logits_rows: list[int] | None = None  # which new tokens need logits; None = the last one
+
+
+@dataclass
+class ForwardOutput:
+    """Logits of the requested rows (sequence by sequence) and, on request, hidden states of all new tokens."""
+
+    logits: torch.Tensor  # [sum(len(logits_rows)), vocab] float32
+    hidden_states: torch.Tensor | None  # [sum(len(token_ids)), hidden]: final-norm output (the lm_head input)
+
+
+class LlamaModel(torch.nn.Module):
+    """Llama/Mistral/Qwen2 decoder with fused qkv and gate_up weights, built from a config dict + HF state dict."""
+
+    def __init__(self, config: dict, state_dict: dict[str, torch.Tensor], batch_invariant: bool = False):
+        super().__init__()
+        self.config = config
+        self.dtype = DTYPES[config["dtype"]]
+        self.batch_invariant = batch_invariant
+        self.num_layers = config["num_hidden_layers"]
+        self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.head_size, self.hidden_size = config["head_size"], config["hidden_size"]
+        self.vocab_size = config["vocab_size"]
+        self.eps = config["norm_epsilon"]
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; Llama-family models use silu")
+
+        def w(name: str) -> torch.Tensor:
+            return state_dict[name].to(self.dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if config["tie_word_embeddings"] or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) * D, hidden]
+            bias = None
+            if config.get("attention_bias") and p + "self_attn.q_proj.bias" in state_dict:
+                bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])  # [(H + 2 KVH) * D]
+            self.layers.append({
+                "input_norm": w(p + "input_layernorm.weight"), "post_norm": w(p + "post_attention_layernorm.weight"),
+                "qkv": qkv, "qkv_bias": bias, "o": w(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2 I, hidden]
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        max_pos = max(config.get("max_position_embeddings", 2048), 1)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(config))  # [max_pos, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, D]
+        self.rope_cos, self.rope_sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.scale = 1.0 / math.sqrt(self.head_size)
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_hf(cls, checkpoint_dir: str | Path, dtype: str = "float32", batch_invariant: bool = False) -> "LlamaModel":
+        """Load an HF checkpoint directory (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        checkpoint_dir = Path(checkpoint_dir)
+        config = config_from_hf(json.loads((checkpoint_dir / "config.json").read_text()), dtype)
+        files = sorted(checkpoint_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {checkpoint_dir}; save the model with safe_serialization=True")
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        return cls(config, state, batch_invariant=batch_invariant)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, batch_invariant: bool = False) -> "LlamaModel":
+        """Load a reference engine directory (config.json + rank0.safetensors, see pipeline.reference.checkpoint)."""
+        from pipeline.reference.checkpoint import load_engine
+
+        config, state = load_engine(engine_dir)
+        return cls(config["pretrained_config"], state, batch_invariant=batch_invariant)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str | None = None) -> KVCache:
+        """A KV cache shaped for this model (kv_dtype "INT8" stores int8 values with per-token-head scales)."""
+        return KVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_size, self.dtype, kv_dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the memory roofline's numerator)."""
+        tensors = [self.embed if self.lm_head is self.embed else self.lm_head, self.final_norm]
+        for layer in self.layers:
+            tensors += [t for t in layer.values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---------------------------------------------------------------- forward
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_invariant and x.shape[0] > 1:
+            return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        return F.linear(x, weight, bias)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos, sin: [T, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool = False) -> ForwardOutput:
+        """Run the new tokens of every sequence, write their KV, return logits of the requested rows."""
+        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
+        tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
+        positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
+        if int(positions.max()) >= self.rope_cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, D]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
+        x = self.embed[tokens]  # [T, hidden]
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            qkv = self._linear(h, layer["qkv"], layer["qkv_bias"])  # [T, (H + 2 KVH) * D]
+            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+            q = self._rope(q.view(-1, H, D), cos, sin)  # [T, H, D]
+            k = self._rope(k.view(-1, KVH, D), cos, sin)  # [T, KVH, D]
+            kv.write(li, plan.slots, k, v.view(-1, KVH, D))
+            attn = self._attention(li, q, kv, plan)  # [T, H * D]
+            x = x + self._linear(attn, layer["o"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)  # [T, I] each
+            x = x + self._linear(F.silu(gate) * up, layer["down"])
+        hidden = self._rms_norm(x, self.final_norm)  # [T, hidden]
+        rows = hidden[plan.logits_index] if plan.logits_index is not None else hidden
+        logits = self._linear(rows, self.lm_head).float()  # [R, vocab]
+        return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
+
+    def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
+        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
+        out = torch.empty(q.shape[0], self.num_heads * self.head_size, dtype=q.dtype)
+        for start, end, ctx_slots, mask in plan.groups:
+            k, v = kv.gather(layer, ctx_slots)  # [S, KVH, D] each
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
+            out[start:end] = o[0].transpose(0, 1).reshape(end - start, -1)
+        return out
+
+
+@dataclass
+class _AttentionPlan:
+    """Index tensors of one forward, computed once and shared by every layer."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: torch.Tensor  # [T] cache slot of every new token
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row start, row end, key slots [S], mask [n, S])
+    logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
+
+    @classmethod
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
+        token_ids, positions, slots, groups, logits_rows = [], [], [], [], []
+        row = 0
+        for seq in seqs:
+            n, c = len(seq.token_ids), seq.num_cached
+            if n == 0:
+                raise ValueError("a sequence in a forward must bring at least one new token")
+            blocks = torch.tensor(seq.block_table, dtype=torch.long)
+            if len(seq.block_table) * block_size < c + n:
+                raise ValueError(f"block table holds {len(seq.block_table) * block_size} tokens, the sequence needs {c + n}")
+            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:c + n]  # [c + n]
+            if seq.parents is None:
+                depth = list(range(1, n + 1))
+                ancestors = None
+            else:
+                depth, ancestors = [], []
+                for i, p in enumerate(seq.parents):
+                    if not -1 <= p < i:
+                        raise ValueError(f"tree token {i} has parent {p}: parents must come before their children")
+                    depth.append(1 if p < 0 else depth[p] + 1)
+                    ancestors.append(([] if p < 0 else ancestors[p]) + [i])
+            token_ids += seq.token_ids
+            positions += [c + d - 1 for d in depth]
+            slots.append(all_slots[c:])
+            if batch_invariant:
+                for i in range(n):  # one group per token: exactly the keys it sees, as in plain decoding
+                    visible = range(i + 1) if ancestors is None else ancestors[i]
+                    key_slots = torch.cat([all_slots[:c], all_slots[[c + a for a in visible]]])
+                    groups.append((row + i, row + i + 1, key_slots, None))
+            else:
+                mask = None
+                if ancestors is not None:
+                    mask = torch.zeros(n, c + n, dtype=torch.bool)  # [n, S] True = attend
+                    mask[:, :c] = True
+                    for i, anc in enumerate(ancestors):
+                        mask[i, [c + a for a in anc]] = True
+                elif n > 1:
+                    mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
+                groups.append((row, row + n, all_slots, mask))
+            wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
+            logits_rows += [row + r for r in wanted]
+            row += n
+        logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
+        return cls(token_ids, positions, torch.cat(slots), groups, logits_index)

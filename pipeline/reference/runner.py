@@ -1,0 +1,97 @@
+"""EngineRunner: one background thread owns an LLMEngine and steps it while work exists.
+
+Callers on any thread `submit` requests and read `RequestOutput`s from a per-request queue; the
+request joins the running batch at the next step (in-flight batching across callers). Bad input
+raises EngineInputError from `submit` itself. If a step raises, the requests in that step get a
+final output with finish_reason "error" and the runner keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from pipeline.reference.engine import EngineInputError, LLMEngine, Request, RequestOutput
+
+
+class EngineRunner:
+    """Thread-safe front of an LLMEngine (see the module docstring). Only the runner thread touches the engine."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, queue.Queue[RequestOutput]] = {}  # unfinished requests
+        self._inbox: list[Request] = []
+        self._cancels: list[str] = []
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> queue.Queue[RequestOutput]:
+        """Queue a request; returns the queue its outputs arrive on (the last one has finished=True).
+
+        Raises EngineInputError for bad input, RuntimeError once closed.
+        """
+        self.engine.validate(request)
+        out: queue.Queue[RequestOutput] = queue.Queue()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine runner is closed")
+            if request.request_id in self._queues:
+                raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
+            self._queues[request.request_id] = out
+            self._inbox.append(request)
+            self._cond.notify()
+        return out
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request (its queue gets a final "cancelled" output); False if it is unknown or done."""
+        with self._cond:
+            if request_id not in self._queues:
+                return False
+            self._cancels.append(request_id)
+            self._cond.notify()
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread after the current step; unfinished requests get a final "cancelled" output."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._inbox or self._cancels or self.engine.has_unfinished()):
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                closed = self._closed
+                if closed:
+                    cancels += [rid for rid in self._queues if rid not in cancels]
+            outputs: list[RequestOutput] = []
+            for request in inbox:
+                try:
+                    self.engine.add_request(request)
+                except EngineInputError as exc:
+                    outputs.append(RequestOutput(request.request_id, [], True, "error", str(exc)))
+            for request_id in cancels:
+                self.engine.cancel(request_id)
+            try:
+                outputs += self.engine.step()
+            except Exception as exc:  # deliver to the requests of the failed step, keep serving
+                outputs += self.engine.abort_running(f"{type(exc).__name__}: {exc}")
+            self._deliver(outputs)
+            if closed:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            for out in outputs:
+                target = self._queues.get(out.request_id)
+                if target is None:
+                    continue
+                target.put(out)
+                if out.finished:
+                    del self._queues[out.request_id]

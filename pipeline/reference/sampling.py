@@ -1,0 +1,124 @@
+"""Per-request sampling parameters and logits processing.
+
+Order, as in TensorRT-LLM's sampler: raw logits -> penalties (repetition over prompt + output,
+presence / frequency over the output), bad words and min_length bans -> (greedy: argmax) ->
+temperature -> top_k -> top_p -> p. Every row is processed with its own context, so a draft row k
+tokens ahead is penalised exactly as plain decoding would penalise it k steps later.
+Randomness comes from a per-request torch.Generator seeded by `seed`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens (names as in the tensorrtllm backend's inputs)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # over prompt and output tokens: logit / r if > 0 else logit * r
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_length: int = 0  # end_id is banned until this many tokens are generated
+    end_id: int | None = None
+    stop_words: list[list[int]] = field(default_factory=list)  # generation stops after any of these sequences
+    bad_words: list[list[int]] = field(default_factory=list)  # sequences that are never completed
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: always the argmax (top_k = 1 at any temperature gives the same tokens)."""
+        return self.temperature == 0.0
+
+    def problems(self, vocab_size: int) -> list[tuple[str, str]]:
+        """(field, fix) for every invalid parameter; empty when valid."""
+        out = []
+        if self.temperature < 0:
+            out.append(("temperature", "use 0 for greedy or a positive value"))
+        if self.top_k < 0:
+            out.append(("top_k", "use 0 (no limit) or a positive count"))
+        if not 0.0 < self.top_p <= 1.0:
+            out.append(("top_p", "use a value in (0, 1]"))
+        if self.repetition_penalty <= 0:
+            out.append(("repetition_penalty", "use a positive value (1.0 = off)"))
+        if self.min_length < 0:
+            out.append(("min_length", "use 0 or a positive count"))
+        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
+            out.append(("end_id", f"use a token id in [0, {vocab_size})"))
+        for name in ("stop_words", "bad_words"):
+            words = getattr(self, name)
+            if any(len(w) == 0 or any(not 0 <= t < vocab_size for t in w) for w in words):
+                out.append((name, f"use non-empty lists of token ids in [0, {vocab_size})"))
+        return out
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    """The request's own random stream: seeded by params.seed, else from a fresh random seed."""
+    return torch.Generator().manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+
+
+def process_logits(logits: torch.Tensor, contexts: list[list[int]], num_prompt: int, params: SamplingParams) -> torch.Tensor:
+    """Penalties and bans for each row; logits: [R, vocab] float32, contexts[r]: every token before row r's next token."""
+    if not _needs_processing(params):
+        return logits
+    out = logits.clone()
+    for r, context in enumerate(contexts):
+        row = out[r]  # [vocab]
+        generated = context[num_prompt:]
+        if params.repetition_penalty != 1.0 and context:
+            seen = torch.tensor(sorted(set(context)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and generated:
+            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+            row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+        if params.end_id is not None and len(generated) < params.min_length:
+            row[params.end_id] = float("-inf")
+        for word in params.bad_words:
+            prefix = word[:-1]
+            if not prefix or context[len(context) - len(prefix):] == prefix:
+                row[word[-1]] = float("-inf")
+    return out
+
+
+def _needs_processing(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or (params.min_length > 0 and params.end_id is not None) or bool(params.bad_words))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p [R, vocab] after temperature, top_k and top_p, from processed logits [R, vocab]."""
+    if params.greedy:  # the distribution greedy decoding samples from: one-hot on the argmax
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]  # [R, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_p = sorted_logits.softmax(dim=-1)
+        drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
+        scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return scaled.softmax(dim=-1)
+
+
+def find_stop(generated: list[int], num_new: int, params: SamplingParams) -> tuple[int, str | None]:
+    """Check the last `num_new` generated tokens for end_id / stop words.
+
+    Returns (how many of the new tokens to keep, finish reason or None). end_id is dropped from the
+    output; a stop word is kept.
+    """
+    start = len(generated) - num_new
+    for i in range(start, len(generated)):
+        if params.end_id is not None and generated[i] == params.end_id:
+            return i - start, "end_id"
+        for word in params.stop_words:
+            if i + 1 >= len(word) and generated[i + 1 - len(word):i + 1] == word:
+                return i + 1 - start, "stop"
+    return num_new, None
