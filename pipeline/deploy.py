@@ -1,0 +1,493 @@
+"""Kubernetes: the spec-derived part of a kustomize overlay, and the two steps the engine build Job runs.
+
+`python -m pipeline deploy SPEC --overlay deploy/overlays/gpu-medusa` writes the overlay's
+`generated/` kustomize Component: the build key, engine and checkpoint paths, ports, GPU count
+(tp_size x pp_size), node affinity (gpu.name), Triton model names, KV-cache fractions, image tags,
+the server command, the spec as the pods see it, the trtllm build script and the PrometheusRule.
+Everything else in deploy/ is static YAML, so no value is typed twice.
+
+In the cluster (pipeline image, see deploy/Dockerfile) the engine build Job runs
+`python -m pipeline.deploy stage checkpoints.json`  (copy or download each checkpoint into
+/models/<build-key>/<role> and check its digest against the one hashed into the build key), then
+`python -m pipeline.deploy build spec.yaml`  (reference engines, the model repository, READY).
+
+Paths in the pods: /models/<build-key>/<role> (checkpoints PVC), /engines/<build-key>/ (engines PVC:
+the spec's output dir, READY marker), /engines/cache (content-addressed steps shared by build keys),
+/etc/specdeploy (the generated files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+from pipeline import __version__, stack
+from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+GENERATED = "generated"  # the component folder inside an overlay
+GPU_COMPONENT = "components/gpu"  # an overlay that uses it serves trtllm engines
+PIPELINE_IMAGE = "specdeploy"  # image of this project (deploy/Dockerfile); tag = pipeline.__version__
+APP_DIR = PurePosixPath("/app")  # the project inside the pipeline image
+ENGINES_MOUNT = PurePosixPath("/engines")
+MODELS_MOUNT = PurePosixPath("/models")
+FILES_MOUNT = PurePosixPath("/etc/specdeploy")
+READY = "READY"
+# Triton's own shutdown wait for in-flight requests; the pod's 120 s grace covers preStop (15 s) + this.
+EXIT_TIMEOUT_S = 90
+TARGET_MODEL = "tensorrt_llm"  # the model whose queue the autoscaler watches
+DRAFT_MODEL = "tensorrt_llm_draft"
+KV_FRACTION_PARAM = "kv_cache_free_gpu_mem_fraction"  # engine models' config.pbtxt parameter
+# Recording rules (PrometheusRule) and the HPA's Pods metric served by the Prometheus adapter.
+QUEUE_RATIO_RECORD = "triton:queue_compute:ratio"
+ACCEPTANCE_RECORD = "specdecode:acceptance_rate:rate5m"
+HPA_METRIC = "triton_queue_compute_ratio"
+# Counters the tensorrt_llm_bls model exports on Triton's metrics port.
+DRAFT_TOKENS_METRIC = "spec_decode_draft_tokens_total"
+ACCEPTED_TOKENS_METRIC = "spec_decode_accepted_tokens_total"
+# Spec fields holding a checkpoint folder, by the role name used under /models/<build-key>/.
+CHECKPOINT_FIELDS = {"target": ("models", "target"), "draft": ("models", "draft"),
+                     "medusa": ("speculative", "medusa"), "eagle": ("speculative", "eagle")}
+
+
+class DeployError(SpecError):
+    """A deploy problem: `path` names what to change (an option, file or spec field)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint folder: where it is here, where the pods see it, and how the Job stages it."""
+
+    role: str
+    local: Path
+    cluster: str  # /models/<build-key>/<role>
+    digest: str  # pipeline.plan.folder_digest, as hashed into the build key
+    image_path: str | None  # the same folder inside the pipeline image, when it lies in this project
+    hf_repo: str | None  # a Hugging Face repo id to download it from
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything the manifests take from one spec, for one toolchain."""
+
+    spec: Spec  # as loaded here
+    cluster_spec: Spec  # the same spec with the pods' paths
+    toolchain: str
+    build_key: str
+    checkpoints: tuple[Checkpoint, ...]
+    model_names: tuple[str, ...]
+    kv_fractions: tuple[float, float | None]  # target, draft (None without a draft)
+    namespace: str | None
+    trtllm_script: str | None  # the plan's build script with the pods' paths (trtllm only)
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per Triton pod and per engine build: tp_size x pp_size."""
+        return self.spec.engine.tp_size * self.spec.engine.pp_size
+
+    @property
+    def build_dir(self) -> str:
+        """The build key's folder on the engines volume (the cluster spec's output.dir)."""
+        return str(ENGINES_MOUNT / self.build_key)
+
+    @property
+    def model_repo(self) -> str:
+        """The model repository Triton serves, inside build_dir."""
+        from pipeline.repo.assemble import repo_dir
+
+        return str(repo_dir(self.cluster_spec, self.toolchain))
+
+    def values(self) -> dict[str, str]:
+        """The ConfigMap specdeploy-values (environment of every container)."""
+        s, e, serving = self.spec.speculative, self.spec.engine, self.spec.serving
+        kv_target, kv_draft = self.kv_fractions
+        return {
+            "SPEC_NAME": self.spec.name,
+            "TOOLCHAIN": self.toolchain,
+            "BUILD_KEY": self.build_key,
+            "BUILD_DIR": self.build_dir,
+            "MODEL_REPO": self.model_repo,
+            "SPEC_FILE": str(FILES_MOUNT / "spec.yaml"),
+            "HTTP_PORT": str(serving.http_port),
+            "GRPC_PORT": str(serving.grpc_port),
+            "METRICS_PORT": str(serving.metrics_port),
+            "TP_SIZE": str(e.tp_size),
+            "PP_SIZE": str(e.pp_size),
+            "GPU_COUNT": str(self.gpu_count),
+            "SPECULATIVE_MODE": s.mode,
+            "MAX_DRAFT_LEN": str(s.max_draft_len),
+            "NUM_DRAFT_TOKENS": str(s.num_draft_tokens),
+            "MIN_ACCEPTANCE_RATE": str(s.min_acceptance_rate),
+            "TRITON_MODELS": ",".join(self.model_names),
+            "KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET": str(kv_target),
+            "KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT": "" if kv_draft is None else str(kv_draft),
+        }
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def overlay_toolchain(overlay: Path) -> str:
+    """trtllm when the overlay uses the GPU component, else reference."""
+    kustomization = read_kustomization(overlay)
+    uses_gpu = any(str(c).rstrip("/").endswith(GPU_COMPONENT) for c in kustomization.get("components") or [])
+    return "trtllm" if uses_gpu else "reference"
+
+
+def read_kustomization(overlay: Path) -> dict:
+    """The overlay's kustomization.yaml as a mapping."""
+    path = overlay / "kustomization.yaml"
+    if not path.is_file():
+        raise DeployError("--overlay", f"{path} does not exist", "pass a folder of deploy/overlays/")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def image_path(local: Path) -> str | None:
+    """Where a checkpoint inside this project lies in the pipeline image (which copies the project to /app)."""
+    try:
+        return str(APP_DIR / local.resolve().relative_to(PROJECT_ROOT).as_posix())
+    except ValueError:
+        return None
+
+
+def cluster_view(spec: Spec, build_key: str, roles: list[str]) -> Spec:
+    """The spec as the pods load it: staged checkpoints, outputs on the engines volume, all interfaces."""
+    raw = to_dict(spec)
+    for role in roles:
+        section, name = CHECKPOINT_FIELDS[role]
+        raw[section][name]["checkpoint"] = str(MODELS_MOUNT / build_key / role)
+    raw["output"] = {"dir": str(ENGINES_MOUNT / build_key), "cache_dir": str(ENGINES_MOUNT / "cache")}
+    raw["serving"]["host"] = "0.0.0.0"  # the pod's port, reached through the Service
+    return parse_spec(raw, base_dir=Path("/"), check_paths=False)
+
+
+def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
+                    hf_repos: dict[str, str] | None = None) -> Deployment:
+    """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
+    from pipeline.plan import Plan, make_plan
+    from pipeline.repo.assemble import EngineInfo, repo_models
+
+    hf_repos = dict(hf_repos or {})
+    if spec.toolchain not in ("auto", toolchain):
+        raise DeployError("toolchain", f"the spec says {spec.toolchain!r} but this overlay serves {toolchain!r} engines",
+                          "use the overlay of that toolchain (cpu-reference or a gpu-* overlay), or change toolchain")
+    plan = make_plan(spec, toolchain)
+    digests = {}
+    for step in plan.steps:
+        if step.kind in ("convert", "quantize"):
+            digests[step.role] = step.inputs["checkpoint"]
+            digests.update({name: step.inputs[name] for name in ("medusa", "eagle") if name in step.inputs})
+    unknown = sorted(set(hf_repos) - set(digests))
+    if unknown:
+        raise DeployError("--hf-repo", f"{', '.join(unknown)} is not a checkpoint of this spec",
+                          f"use one of {', '.join(digests)}")
+    checkpoints = []
+    for role, digest in digests.items():
+        section, name = CHECKPOINT_FIELDS[role]
+        local = getattr(getattr(spec, section), name).checkpoint
+        checkpoints.append(Checkpoint(role=role, local=local, cluster=str(MODELS_MOUNT / plan.build_key / role),
+                                      digest=digest, image_path=image_path(local), hf_repo=hf_repos.get(role)))
+    cluster_spec = cluster_view(spec, plan.build_key, list(digests))
+
+    target = EngineInfo.planned(spec, "target", Path("target"))
+    draft = EngineInfo.planned(spec, "draft", Path("draft")) if spec.speculative.mode == "draft_target" else None
+    models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
+    kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
+    script = None
+    if toolchain == "trtllm":
+        from pipeline.trtllm import render_script
+
+        script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
+    return Deployment(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
+                      checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
+                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)),
+                      namespace=namespace, trtllm_script=script)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def server_command(d: Deployment) -> list[str]:
+    """The Triton container's command: `pipeline serve` (reference) or tritonserver (trtllm)."""
+    if d.toolchain == "reference":
+        return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
+    s = d.spec.serving
+    return ["tritonserver", f"--model-repository={d.model_repo}",
+            f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}", f"--metrics-port={s.metrics_port}",
+            "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=specdeploy_",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0"]
+
+
+def _gpu_resources(count: int) -> dict:
+    return {"limits": {"nvidia.com/gpu": count}, "requests": {"nvidia.com/gpu": count}}
+
+
+def _gpu_affinity(product: str) -> dict:
+    """Schedule only on nodes whose GPU feature discovery label names the spec's GPU."""
+    term = {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": [product]}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def deployment_patch(d: Deployment) -> dict:
+    """Strategic-merge patch of the Triton Deployment: command, port numbers, GPUs, node affinity."""
+    s = d.spec.serving
+    container = {
+        "name": "triton",
+        "command": server_command(d),
+        # `$patch: replace`: ports merge by number, so new numbers would otherwise be added, not replaced
+        "ports": [{"$patch": "replace"}, {"name": "http", "containerPort": s.http_port},
+                  {"name": "grpc", "containerPort": s.grpc_port}, {"name": "metrics", "containerPort": s.metrics_port}],
+    }
+    pod: dict = {"containers": [container]}
+    if d.toolchain == "trtllm":
+        container["resources"] = _gpu_resources(d.gpu_count)
+        pod["affinity"] = _gpu_affinity(d.spec.gpu.name)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "specdeploy-triton"},
+            "spec": {"template": {"spec": pod}}}
+
+
+def service_patch(d: Deployment) -> dict:
+    """Strategic-merge patch of the Service: the spec's port numbers."""
+    s = d.spec.serving
+    ports = [{"$patch": "replace"},
+             {"name": "http", "port": s.http_port, "targetPort": "http"},
+             {"name": "grpc", "port": s.grpc_port, "targetPort": "grpc", "appProtocol": "grpc"},
+             {"name": "metrics", "port": s.metrics_port, "targetPort": "metrics"}]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "specdeploy-triton"}, "spec": {"ports": ports}}
+
+
+def build_job_patch(d: Deployment) -> list[dict]:
+    """JSON patch of the engine build Job: its name (per build key), the trtllm-build step's GPUs, node affinity.
+
+    A JSON patch, not a strategic merge: the latter would move the patched init container before
+    stage-checkpoints. trtllm-build is the second init container (the GPU component appends it).
+    """
+    ops = [{"op": "replace", "path": "/metadata/name", "value": f"specdeploy-engine-build-{d.build_key}"}]
+    if d.toolchain == "trtllm":
+        gpus = "/spec/template/spec/initContainers/1/resources/{}/nvidia.com~1gpu"
+        ops += [{"op": "add", "path": gpus.format("limits"), "value": d.gpu_count},
+                {"op": "add", "path": gpus.format("requests"), "value": d.gpu_count},
+                {"op": "add", "path": "/spec/template/spec/affinity", "value": _gpu_affinity(d.spec.gpu.name)}]
+    return ops
+
+
+def prometheus_rule(d: Deployment) -> dict:
+    """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
+    scope = f'namespace="{d.namespace}", ' if d.namespace else ""
+    pods = f'{scope}pod=~"specdeploy-triton-.*"'
+    queue = f'rate(nv_inference_queue_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
+    compute = f'rate(nv_inference_compute_infer_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
+    accepted = f"rate({ACCEPTED_TOKENS_METRIC}{{{pods}}}[5m])"
+    drafted = f"rate({DRAFT_TOKENS_METRIC}{{{pods}}}[5m])"
+    rules = [
+        {"record": QUEUE_RATIO_RECORD,
+         "expr": f"sum by (namespace, pod) ({queue})\n/\nclamp_min(sum by (namespace, pod) ({compute}), 1)"},
+        {"record": ACCEPTANCE_RECORD,
+         "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"},
+    ]
+    threshold = d.spec.speculative.min_acceptance_rate
+    alerts = []
+    if d.spec.speculative.mode != "none":
+        alerts.append({
+            "alert": "SpeculativeAcceptanceCollapsed",
+            "expr": f"{ACCEPTANCE_RECORD}{{{scope.rstrip(', ')}}} < {threshold}",
+            "for": "15m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"Speculative decoding acceptance of {d.spec.name} fell below {threshold:.0%}",
+                "description": ("{{ $labels.model }} in {{ $labels.namespace }} accepts {{ $value | humanizePercentage }} "
+                                f"of draft tokens, below speculative.min_acceptance_rate ({threshold}): verifying "
+                                "drafts now costs more than it saves. Check that the traffic matches what the draft "
+                                "was trained on, lower num_draft_tokens, or set speculative.mode: none."),
+            },
+        })
+    groups = [{"name": "specdeploy-triton", "interval": "15s", "rules": rules}]
+    if alerts:
+        groups.append({"name": "specdeploy-speculation", "rules": alerts})
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "specdeploy-triton", "labels": {"release": "kube-prometheus-stack"}},
+            "spec": {"groups": groups}}
+
+
+def checkpoints_manifest(d: Deployment) -> list[dict]:
+    """checkpoints.json: what `stage` puts where, and the digest each copy must have."""
+    return [{"role": c.role, "dest": c.cluster, "digest": c.digest, "image_path": c.image_path, "hf_repo": c.hf_repo}
+            for c in d.checkpoints]
+
+
+def render_component(d: Deployment) -> dict[str, str]:
+    """The files of the overlay's generated/ kustomize Component, by name."""
+    triton_name, triton_tag = stack.TRITON_IMAGE.rsplit(":", 1)
+    files = ["spec.yaml", "checkpoints.json"] + (["trtllm.sh"] if d.trtllm_script else [])
+    patches = [{"path": "triton-deployment.yaml"}, {"path": "triton-service.yaml"}]
+    # Job templates are immutable: each build key gets its own Job.
+    patches.append({"path": "engine-build-job.yaml", "target": {"kind": "Job", "name": "specdeploy-engine-build"}})
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "labels": [{"pairs": {"app.kubernetes.io/instance": d.spec.name}, "includeTemplates": True}],
+        "images": [{"name": PIPELINE_IMAGE, "newTag": __version__},
+                   {"name": triton_name, "newTag": triton_tag}],
+        "configMapGenerator": [{"name": "specdeploy-values", "envs": ["values.env"]},
+                               {"name": "specdeploy-files", "files": files}],
+        "resources": ["prometheusrule.yaml"],
+        "patches": patches,
+    }
+    header = (f"# Generated by `python -m pipeline deploy` from spec '{d.spec.name}' (build key {d.build_key}).\n"
+              "# Regenerate instead of editing.\n")
+    out = {
+        "kustomization.yaml": header + yaml.safe_dump(kustomization, sort_keys=False),
+        "values.env": header + "".join(f"{k}={v}\n" for k, v in d.values().items()),
+        "spec.yaml": header + yaml.safe_dump(to_dict(d.cluster_spec), sort_keys=False),
+        "checkpoints.json": json.dumps(checkpoints_manifest(d), indent=2) + "\n",
+        "triton-deployment.yaml": header + yaml.safe_dump(deployment_patch(d), sort_keys=False),
+        "triton-service.yaml": header + yaml.safe_dump(service_patch(d), sort_keys=False),
+        "prometheusrule.yaml": header + yaml.safe_dump(prometheus_rule(d), sort_keys=False),
+        "engine-build-job.yaml": header + yaml.safe_dump(build_job_patch(d), sort_keys=False),
+    }
+    if d.toolchain == "trtllm":
+        out["trtllm.sh"] = trtllm_job_script(d)
+    return out
+
+
+def trtllm_job_script(d: Deployment) -> str:
+    """The plan's build script, skipped when this build key is already complete."""
+    guard = (f'if [ -f "$BUILD_DIR/{READY}" ]; then echo "engines of build key $BUILD_KEY are ready"; exit 0; fi\n')
+    shebang, rest = d.trtllm_script.split("\n", 1)
+    return f"{shebang}\n{guard}{rest}"
+
+
+def write_component(d: Deployment, overlay: Path) -> Path:
+    """Write generated/ into `overlay`, replacing what was there; returns the folder."""
+    dest = overlay / GENERATED
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name, text in render_component(d).items():
+        (dest / name).write_text(text)
+    return dest
+
+
+# ----------------------------------------------------------------------------- in the cluster
+
+
+def stage_checkpoints(manifest: Path) -> list[str]:
+    """Put every checkpoint of checkpoints.json at its dest (copy from the image, else download), check digests."""
+    from pipeline.plan import DigestCache, folder_digest
+
+    done = []
+    for item in json.loads(Path(manifest).read_text()):
+        dest = Path(item["dest"])
+        if not dest.exists():
+            tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            if item["image_path"] and Path(item["image_path"]).exists():
+                source = Path(item["image_path"])
+                shutil.copytree(source, tmp) if source.is_dir() else shutil.copy2(source, tmp)
+            elif item["hf_repo"]:
+                from huggingface_hub import snapshot_download
+                from pipeline.plan import CHECKPOINT_SUFFIXES
+
+                snapshot_download(repo_id=item["hf_repo"], local_dir=tmp, token=os.environ.get("HF_TOKEN") or None,
+                                  allow_patterns=[f"*{suffix}" for suffix in CHECKPOINT_SUFFIXES])
+            else:
+                raise DeployError(item["role"], f"no checkpoint at {dest}, none in the image and no Hugging Face repo",
+                                  f"pass --hf-repo {item['role']}=ORG/NAME to `pipeline deploy`, or copy the folder "
+                                  f"to {dest} on the checkpoints volume (see deploy/README.md)")
+            os.replace(tmp, dest)
+        digest = folder_digest(dest, DigestCache(None))
+        if digest != item["digest"]:
+            raise DeployError(item["role"], f"{dest} has digest {digest}, but the build key was computed from {item['digest']}",
+                              "stage the same checkpoint the spec names, or re-run `pipeline deploy` on this one")
+        done.append(f"{item['role']}: {dest} ({digest})")
+    return done
+
+
+def build_in_cluster(spec_file: Path, toolchain: str) -> str:
+    """Build the reference engines (trtllm: the trtllm-build step did), assemble the model repository, write READY."""
+    from pipeline.repo.assemble import assemble
+
+    spec = load_spec(spec_file)
+    ready = spec.output.dir / READY  # output.dir is /engines/<build-key>
+    if ready.exists():
+        return f"build key {spec.output.dir.name} is ready; nothing to do"
+    if toolchain == "reference":
+        from pipeline.execute import run_engines
+
+        code = run_engines(spec, toolchain="reference")
+        if code:
+            raise DeployError("engines", f"the reference engine build failed (exit code {code})", "read the Job's log above")
+    repo = assemble(spec, toolchain)
+    ready.write_text(json.dumps({"spec": spec.name, "toolchain": toolchain, "model_repo": str(repo)}) + "\n")
+    return f"engines and model repository ready: {repo}"
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_hf_repos(items: list[str]) -> dict[str, str]:
+    """`role=org/name` options as a mapping."""
+    repos = {}
+    for item in items:
+        role, sep, repo = item.partition("=")
+        if not sep or role not in CHECKPOINT_FIELDS or not repo:
+            raise DeployError("--hf-repo", f"{item!r} is not ROLE=ORG/NAME", f"use a role of {', '.join(CHECKPOINT_FIELDS)}")
+        repos[role] = repo
+    return repos
+
+
+def add_parser(subparsers) -> None:
+    """Register `deploy SPEC --overlay DIR`."""
+    from pipeline.cli import add_spec_arguments
+
+    p = subparsers.add_parser("deploy", help="write the spec-derived kustomize component of a deploy/ overlay")
+    add_spec_arguments(p)
+    p.add_argument("--overlay", type=Path, required=True, help="e.g. deploy/overlays/cpu-reference")
+    p.add_argument("--hf-repo", action="append", default=[], metavar="ROLE=ORG/NAME",
+                   help="let the engine build Job download a checkpoint (role: target, draft, medusa, eagle)")
+    p.set_defaults(func=run_deploy)
+
+
+def run_deploy(args: argparse.Namespace) -> int:
+    """`python -m pipeline deploy SPEC --overlay DIR`."""
+    spec = load_spec(args.spec, args.overrides)
+    overlay = Path(args.overlay)
+    d = plan_deployment(spec, overlay_toolchain(overlay), read_kustomization(overlay).get("namespace"),
+                        parse_hf_repos(args.hf_repo))
+    dest = write_component(d, overlay)
+    where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
+    print(f"wrote {dest} (build key {d.build_key}, toolchain {d.toolchain}, {where})")
+    print(f"next: kubectl apply -k {overlay}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.deploy stage CHECKPOINTS_JSON | build SPEC --toolchain T` (run by the build Job)."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.deploy", description=main.__doc__)
+    sub = parser.add_subparsers(dest="step", required=True)
+    p = sub.add_parser("stage", help="stage and verify the checkpoints")
+    p.add_argument("manifest", type=Path)
+    p = sub.add_parser("build", help="build engines and the model repository, then write READY")
+    p.add_argument("spec", type=Path)
+    p.add_argument("--toolchain", choices=["reference", "trtllm"], required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.step == "stage":
+            print("\n".join(stage_checkpoints(args.manifest)))
+        else:
+            print(build_in_cluster(args.spec, args.toolchain))
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
