@@ -32,6 +32,10 @@ inspect: venv
 plan: venv
 	$(PY) -m pipeline plan $(SPEC) --dry-run $(ARGS)
 
+# The trained stand-in pair for the engine benchmark (6-layer/384 target, 1-layer/128 draft; minutes, cached).
+trained-pair: venv
+	$(PY) -m pipeline.trainpair --out models/trained-pair
+
 engines: venv models
 	$(PY) -m pipeline engines $(SPEC) $(ARGS)
 
