@@ -261,9 +261,10 @@ def serve_forever(server: TritonServer) -> None:
 
 def add_parser(subparsers) -> None:
     """Register `serve SPEC`."""
+    from pipeline.cli import add_spec_arguments
+
     p = subparsers.add_parser("serve", help="start Triton on the spec's model repository (reference toolchain)")
-    p.add_argument("spec")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    add_spec_arguments(p)
     p.add_argument("--repo", type=Path, help="model repository (default: <out_dir>/model_repo)")
     p.add_argument("--log-file", type=Path)
     p.set_defaults(func=run_serve)
@@ -271,9 +272,9 @@ def add_parser(subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`python -m pipeline serve SPEC`: start Triton on the spec's assembled repository and wait."""
-    from pipeline.spec import load_spec
+    from pipeline.cli import spec_from_args
 
-    spec = load_spec(args.spec, args.set)
+    spec = spec_from_args(args)
     repo = args.repo or spec.out_dir / "model_repo"
     s = spec.serving
     server = TritonServer(repo, host=s.host, http_port=s.http_port, grpc_port=s.grpc_port,

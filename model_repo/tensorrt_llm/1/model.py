@@ -1,0 +1,78 @@
+"""Triton model `tensorrt_llm` / `tensorrt_llm_draft` (reference toolchain): the tensorrtllm backend's
+interface over the reference engine. Decoupled: an EngineRunner thread steps the engine, so every
+concurrent request (plain, or verifying external draft tokens) is batched in flight.
+"""
+
+import json
+import queue
+import threading
+from pathlib import Path
+import uuid
+
+import triton_python_backend_utils as pb_utils
+
+from pipeline.reference.engine import EngineInputError, LLMEngine
+from pipeline.reference.runner import EngineRunner
+from pipeline.serving import triton_io
+from pipeline.serving.engine_io import ResponseBuilder, engine_request
+from pipeline.serving.params import RequestError
+
+CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client went away
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = triton_io.model_parameters(args)
+        self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
+        self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
+        engine_dir = Path(params["gpt_model_path"])
+        max_seq_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_seq_len"]
+        # The BLS re-sends the whole sequence as input_ids each verify round: accept up to max_seq_len - 1.
+        self.engine = LLMEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)
+        self.vocab_size = self.engine.model.vocab_size
+        self.runner = EngineRunner(self.engine)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = triton_io.request_inputs(request, self.input_names)
+                engine_req, options = engine_request(inputs, uuid.uuid4().hex, self.exclude_input, self.vocab_size)
+                outputs = self.runner.submit(engine_req)
+            except EngineInputError as exc:
+                triton_io.send_final_error(sender, RequestError(exc.field, "invalid", exc.fix))
+                continue
+            except Exception as exc:
+                triton_io.send_final_error(sender, exc)
+                continue
+            builder = ResponseBuilder(engine_req.prompt_ids, options)
+            threading.Thread(target=self._respond, args=(request, sender, engine_req.request_id, outputs, builder),
+                             daemon=True).start()
+        return None
+
+    def _respond(self, request, sender, request_id, outputs, builder):
+        """Forward the engine's outputs of one request to its client until it finishes."""
+        try:
+            while True:
+                try:
+                    out = outputs.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    if request.is_cancelled():
+                        self.runner.cancel(request_id)
+                    continue
+                if out.error:
+                    triton_io.send_final_error(sender, RuntimeError(out.error))
+                    return
+                arrays = builder.add(out)
+                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+                if arrays is not None:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
+                elif out.finished:
+                    sender.send(flags=flags)
+                if out.finished:
+                    return
+        except Exception as exc:
+            triton_io.send_final_error(sender, exc)
+
+    def finalize(self):
+        self.runner.close()

@@ -1,0 +1,226 @@
+"""Assemble the Triton model repository of a spec, for either toolchain.
+
+Model names, tensors and parameter keys are NVIDIA's inflight_batcher_llm ones
+(preprocessing, postprocessing, tensorrt_llm, tensorrt_llm_draft, tensorrt_llm_bls, ensemble).
+The ensemble is one step into tensorrt_llm_bls, so a text request speculates when it sets
+num_draft_tokens. The python models (everything but the trtllm engines) are the files of
+model_repo/ in this project, the same code for both toolchains.
+
+    repo = assemble(spec, toolchain="reference")      # -> <out_dir>/model_repo
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
+from pipeline.repo.interface import interface
+from pipeline.spec import Spec, SpecError
+
+MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the repository needs to know about one engine."""
+
+    path: Path
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_draft_len: int
+    gather_generation_logits: bool
+    vocab_size: int
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: Path) -> "EngineInfo":
+        """Read a built engine's config.json (reference engines, or trtllm engines on the GPU host)."""
+        cfg_path = Path(engine_dir) / "config.json"
+        if not cfg_path.is_file():
+            raise SpecError("engines", f"{cfg_path} does not exist", "run `make engines` (python -m pipeline engines SPEC) first")
+        cfg = json.loads(cfg_path.read_text())
+        pre, build = cfg["pretrained_config"], cfg["build_config"]
+        return cls(path=Path(engine_dir).resolve(), max_batch_size=build["max_batch_size"],
+                   max_input_len=build["max_input_len"], max_seq_len=build["max_seq_len"],
+                   max_draft_len=build.get("max_draft_len") or 0,
+                   gather_generation_logits=bool(build.get("gather_generation_logits")),
+                   vocab_size=pre["vocab_size"])
+
+    @classmethod
+    def planned(cls, spec: Spec, role: str, path: Path) -> "EngineInfo":
+        """The engine the trtllm build script will produce (it is built on the GPU host, not here)."""
+        from pipeline.checkpoints import read_checkpoint
+        from pipeline.plan import build_params
+
+        bp = build_params(spec, role)
+        model = spec.models.target if role == "target" else spec.models.draft
+        ckpt = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
+        return cls(path=path, max_batch_size=bp["max_batch_size"], max_input_len=bp["max_input_len"],
+                   max_seq_len=bp["max_seq_len"], max_draft_len=bp["max_draft_len"],
+                   gather_generation_logits=bp["gather_generation_logits"], vocab_size=ckpt.vocab_size)
+
+
+def kv_fractions(spec: Spec) -> dict[str, float]:
+    """kv_cache_free_gpu_mem_fraction per engine role, from the memory plan (which honours the spec's values)."""
+    from pipeline.checkpoints import inspect_spec
+
+    return {e.role: e.kv_fraction for e in inspect_spec(spec).memory.engines}
+
+
+def _choices_brace(choices) -> str:
+    """TensorRT-LLM's brace format for medusa_choices / eagle_choices, e.g. "{0}, {0, 0}"."""
+    return ", ".join("{" + ", ".join(str(i) for i in c) + "}" for c in choices)
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float) -> ModelConfigSpec:
+    """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python)."""
+    s = spec.speculative
+    params = {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": str(engine.path),
+        "max_beam_width": "1",
+        "kv_cache_free_gpu_mem_fraction": str(kv_fraction),
+        "enable_kv_cache_reuse": _bool(spec.serving.enable_kv_cache_reuse),
+        "exclude_input_in_output": "true",
+        "batch_scheduler_policy": "guaranteed_no_evict",
+    }
+    if name == "tensorrt_llm" and s.mode == "medusa":
+        params.update(decoding_mode="medusa", medusa_choices=_choices_brace(s.medusa.choices))
+    if name == "tensorrt_llm" and s.mode == "eagle":
+        params.update(decoding_mode="eagle", eagle_choices=_choices_brace(s.eagle.choices))
+    if toolchain == "trtllm":
+        params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+    iface = interface(name)
+    return ModelConfigSpec(
+        name=name, backend="tensorrtllm" if toolchain == "trtllm" else "python",
+        max_batch_size=spec.engine.max_batch_size, inputs=iface.inputs, outputs=iface.outputs,
+        decoupled=True, instance_count=1,
+        # A decoupled model batches in flight itself: no queue delay in front of it.
+        dynamic_batching=DynamicBatching(preferred_batch_size=(spec.engine.max_batch_size,), max_queue_delay_microseconds=0),
+        parameters=params)
+
+
+def text_model(spec: Spec, name: str, tokenizer_dir: Path) -> ModelConfigSpec:
+    """preprocessing or postprocessing: the target's tokenizer."""
+    iface = interface(name)
+    if name == "preprocessing":
+        params = {"tokenizer_dir": str(tokenizer_dir), "add_special_tokens": "false"}
+        count = spec.serving.preprocessing_instances
+        batching = DynamicBatching(preferred_batch_size=(spec.engine.max_batch_size,),
+                                   max_queue_delay_microseconds=spec.serving.max_queue_delay_microseconds)
+    else:
+        params = {"tokenizer_dir": str(tokenizer_dir), "skip_special_tokens": "true"}
+        count = spec.serving.postprocessing_instances
+        batching = DynamicBatching()
+    return ModelConfigSpec(name=name, backend="python", max_batch_size=spec.engine.max_batch_size,
+                           inputs=iface.inputs, outputs=iface.outputs, instance_count=count,
+                           dynamic_batching=batching, parameters=params)
+
+
+def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInfo, has_draft: bool) -> ModelConfigSpec:
+    """tensorrt_llm_bls: the decoupled, streaming, concurrent speculative orchestrator."""
+    s = spec.speculative
+    ngram = s.ngram
+    params = {
+        "accumulate_tokens": "false",
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": "tensorrt_llm_draft" if has_draft else "",
+        "tokenizer_dir": str(tokenizer_dir),
+        "skip_special_tokens": "true",
+        "speculative_mode": s.mode,
+        "num_draft_tokens": str(s.num_draft_tokens),
+        "max_draft_len": str(target.max_draft_len),
+        "use_draft_logits": _bool(s.use_draft_logits),
+        "max_input_len": str(target.max_input_len),
+        "max_seq_len": str(target.max_seq_len),
+        # A verify call sends the whole sequence as input_ids: TensorRT-LLM bounds it by max_input_len,
+        # the reference python model accepts up to max_seq_len - 1.
+        "verify_input_len": str(target.max_input_len if toolchain == "trtllm" else target.max_seq_len - 1),
+        "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
+        "min_acceptance_rate": str(s.min_acceptance_rate),
+    }
+    if s.mode == "ngram":
+        params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
+    iface = interface("tensorrt_llm_bls")
+    return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
+                           inputs=iface.inputs, outputs=iface.outputs, decoupled=True,
+                           instance_count=spec.serving.bls_instances, parameters=params)
+
+
+def ensemble_model(spec: Spec) -> ModelConfigSpec:
+    """ensemble: NVIDIA's text interface plus num_draft_tokens/use_draft_logits, one step into the BLS."""
+    iface = interface("ensemble")
+    bls_inputs = {t.name for t in interface("tensorrt_llm_bls").inputs}
+    bls_outputs = {t.name for t in interface("tensorrt_llm_bls").outputs}
+    step = EnsembleStep(model_name="tensorrt_llm_bls",
+                        input_map={t.name: t.name for t in iface.inputs if t.name in bls_inputs},
+                        output_map={t.name: t.name for t in iface.outputs if t.name in bls_outputs})
+    missing = [t.name for t in iface.inputs if t.name not in bls_inputs]
+    if missing:  # a contract change would silently drop inputs otherwise
+        raise RuntimeError(f"ensemble inputs {missing} have no tensorrt_llm_bls input")
+    return ModelConfigSpec(name="ensemble", platform="ensemble", max_batch_size=spec.engine.max_batch_size,
+                           inputs=iface.inputs, outputs=iface.outputs, ensemble_steps=(step,))
+
+
+def engine_infos(spec: Spec, toolchain: str) -> tuple[EngineInfo, EngineInfo | None]:
+    """Target and draft engine facts: read from built engines (reference) or from the plan (trtllm)."""
+    has_draft = spec.speculative.mode == "draft_target"
+    if toolchain == "trtllm":
+        engines = spec.out_dir / "trtllm" / "engines"  # where the generated build script links them
+        target = EngineInfo.planned(spec, "target", engines / "target")
+        draft = EngineInfo.planned(spec, "draft", engines / "draft") if has_draft else None
+    else:
+        engines = spec.out_dir / "engines"
+        target = EngineInfo.from_engine_dir(engines / "target")
+        draft = EngineInfo.from_engine_dir(engines / "draft") if has_draft else None
+    return target, draft
+
+
+def repo_models(spec: Spec, toolchain: str, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
+    """Every model config of the repository."""
+    tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
+    kv = kv_fractions(spec)
+    models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
+              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
+    if draft is not None:
+        models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
+    models += [bls_model(spec, toolchain, tokenizer_dir, target, draft is not None), ensemble_model(spec)]
+    return models
+
+
+def repo_dir(spec: Spec, toolchain: str) -> Path:
+    """Where `assemble` writes: <out_dir>/model_repo (reference) or <out_dir>/trtllm/model_repo."""
+    return spec.out_dir / "model_repo" if toolchain == "reference" else spec.out_dir / "trtllm" / "model_repo"
+
+
+def write_repo(models: list[ModelConfigSpec], dest: Path) -> Path:
+    """Write config.pbtxt files and copy the python models' code; replaces `dest` atomically-ish."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for m in models:
+        model_dir = tmp / m.name
+        (model_dir / "1").mkdir(parents=True)
+        (model_dir / "config.pbtxt").write_text(m.render())
+        if m.backend == "python":
+            code = "tensorrt_llm" if m.name == "tensorrt_llm_draft" else m.name
+            shutil.copy2(MODEL_CODE_DIR / code / "1" / "model.py", model_dir / "1" / "model.py")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def assemble(spec: Spec, toolchain: str) -> Path:
+    """Generate, write and validate the model repository of `spec` for `toolchain`; returns its folder."""
+    from pipeline.repo.validate import validate_repo
+
+    target, draft = engine_infos(spec, toolchain)
+    dest = write_repo(repo_models(spec, toolchain, target, draft), repo_dir(spec, toolchain))
+    validate_repo(dest, spec, target, draft)
+    return dest

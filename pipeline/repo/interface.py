@@ -1,0 +1,103 @@
+"""The tensor interface and parameter keys of NVIDIA's inflight_batcher_llm models, read from the contract.
+
+`pipeline/contracts/triton-trtllm-backend-models.json` records NVIDIA's config.pbtxt templates
+(TensorRT-LLM's triton_backend/all_models/inflight_batcher_llm). Our repository declares the same
+tensors, so NVIDIA's clients work unchanged; the few additions are listed in EXTENSIONS and are
+the only departures validation allows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTRACT_PATH = Path(__file__).resolve().parent.parent / "contracts" / "triton-trtllm-backend-models.json"
+MODEL_NAMES = ("preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "ensemble")
+LOGITS_DATATYPE = "TYPE_FP32"
+# Values for the data-type placeholders of the templates (what NVIDIA's docs fill in).
+DATATYPE_PLACEHOLDERS = {
+    "${logits_datatype}": LOGITS_DATATYPE,
+    "${encoder_input_features_data_type}": "TYPE_FP16",
+    "${prompt_embedding_table_data_type}": "TYPE_FP16",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a Triton model (dims exclude the batch dimension)."""
+
+    name: str
+    data_type: str  # Triton's TYPE_* name
+    dims: tuple[int, ...]
+    optional: bool = False
+    reshape: tuple[int, ...] | None = None  # () reshapes to a scalar
+    allow_ragged_batch: bool = False
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The tensors and parameter keys one model declares."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameter_keys: frozenset[str]
+
+
+# Our additions to NVIDIA's interface. The ensemble routes through tensorrt_llm_bls so that
+# speculation is one request field away; the BLS and python models read a few more parameters.
+EXTENSIONS: dict[str, Interface] = {
+    "ensemble": Interface(
+        inputs=(TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True),
+                TensorSpec("use_draft_logits", "TYPE_BOOL", (1,), optional=True)),
+        outputs=(), parameter_keys=frozenset()),
+    "tensorrt_llm_bls": Interface(inputs=(), outputs=(), parameter_keys=frozenset({
+        "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
+        "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
+        "min_acceptance_rate", "skip_special_tokens"})),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def contract() -> dict:
+    """The parsed contract JSON."""
+    return json.loads(CONTRACT_PATH.read_text())
+
+
+def _tensor(raw: dict) -> TensorSpec:
+    reshape = raw.get("reshape")
+    return TensorSpec(
+        name=raw["name"],
+        data_type=DATATYPE_PLACEHOLDERS.get(raw["data_type"], raw["data_type"]),
+        dims=tuple(raw["dims"]),
+        optional=bool(raw.get("optional", False)),
+        reshape=None if reshape is None else tuple(reshape),
+        allow_ragged_batch=bool(raw.get("allow_ragged_batch", False)),
+    )
+
+
+def _unique(tensors) -> tuple[TensorSpec, ...]:
+    seen: dict[str, TensorSpec] = {}
+    for t in tensors:
+        seen.setdefault(t.name, t)  # the ensemble template lists one output twice
+    return tuple(seen.values())
+
+
+def contract_interface(model: str) -> Interface:
+    """NVIDIA's interface for `model` (tensorrt_llm_draft is a copy of tensorrt_llm)."""
+    raw = contract()["models"]["tensorrt_llm" if model == "tensorrt_llm_draft" else model]
+    return Interface(
+        inputs=_unique(_tensor(t) for t in raw["inputs"]),
+        outputs=_unique(_tensor(t) for t in raw["outputs"]),
+        parameter_keys=frozenset(p["key"] for p in raw.get("parameters", [])),
+    )
+
+
+def interface(model: str) -> Interface:
+    """What our repository declares for `model`: NVIDIA's interface plus EXTENSIONS."""
+    base = contract_interface(model)
+    ext = EXTENSIONS.get("tensorrt_llm" if model == "tensorrt_llm_draft" else model)
+    if ext is None:
+        return base
+    return Interface(base.inputs + ext.inputs, base.outputs + ext.outputs, base.parameter_keys | ext.parameter_keys)

@@ -1,0 +1,54 @@
+"""Prometheus metrics of the speculative BLS, through Triton's custom metrics API (pb_utils.MetricFamily).
+
+Modelled on vLLM's spec_decode metrics, labelled by model. The MetricFamily objects are kept on
+the instance: a family that is garbage-collected makes every later update fail.
+"""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+DRAFT_TOKENS = "spec_decode_draft_tokens_total"
+ACCEPTED_TOKENS = "spec_decode_accepted_tokens_total"
+ACCEPTED_PER_POSITION = "spec_decode_accepted_tokens_per_position_total"
+ACCEPTANCE_LENGTH = "spec_decode_acceptance_length"
+ROUNDS = "spec_decode_rounds_total"
+FALLBACKS = "spec_decode_draft_fallbacks_total"
+
+
+class SpecMetrics:
+    """Counters and the acceptance-length histogram for one model (implements bls.SpecMetricsSink)."""
+
+    def __init__(self, model: str, max_draft_len: int):
+        labels = {"model": model}
+        counter, histogram = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        self.families = {
+            DRAFT_TOKENS: pb_utils.MetricFamily(DRAFT_TOKENS, "Draft tokens proposed for verification", counter),
+            ACCEPTED_TOKENS: pb_utils.MetricFamily(ACCEPTED_TOKENS, "Draft tokens the target accepted", counter),
+            ACCEPTED_PER_POSITION: pb_utils.MetricFamily(ACCEPTED_PER_POSITION,
+                                                         "Draft tokens accepted at each draft position (1-based)", counter),
+            ACCEPTANCE_LENGTH: pb_utils.MetricFamily(ACCEPTANCE_LENGTH, "Accepted draft tokens per speculative round", histogram),
+            ROUNDS: pb_utils.MetricFamily(ROUNDS, "Speculative rounds (propose + verify)", counter),
+            FALLBACKS: pb_utils.MetricFamily(FALLBACKS, "Requests that fell back to the target alone after a draft failure", counter),
+        }
+        self.draft_tokens = self.families[DRAFT_TOKENS].Metric(labels=labels)
+        self.accepted_tokens = self.families[ACCEPTED_TOKENS].Metric(labels=labels)
+        self.rounds = self.families[ROUNDS].Metric(labels=labels)
+        self.fallbacks = self.families[FALLBACKS].Metric(labels=labels)
+        buckets = [float(b) for b in range(max(max_draft_len, 1) + 1)]
+        self.acceptance_length = self.families[ACCEPTANCE_LENGTH].Metric(labels=labels, buckets=buckets)
+        self.per_position = [self.families[ACCEPTED_PER_POSITION].Metric(labels={**labels, "position": str(i + 1)})
+                             for i in range(max(max_draft_len, 1))]
+
+    def round(self, proposed: int, accepted: int) -> None:
+        """Count one verified round."""
+        self.rounds.increment(1)
+        self.draft_tokens.increment(proposed)
+        self.accepted_tokens.increment(accepted)
+        self.acceptance_length.observe(accepted)
+        for pos in range(min(accepted, len(self.per_position))):
+            self.per_position[pos].increment(1)
+
+    def fallback(self) -> None:
+        """Count a request that lost its draft model."""
+        self.fallbacks.increment(1)

@@ -1,0 +1,226 @@
+"""Typed, validated requests for the Triton models (no Triton import: inputs arrive as numpy arrays).
+
+Every problem raises `RequestError(field, problem, fix)`; the models turn it into an
+INVALID_ARG error response and keep serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.serving.text import decode_bytes_list, default_end_id, default_pad_id, words_to_ids
+
+
+class RequestError(ValueError):
+    """A bad request field; the message names the field and the fix."""
+
+    def __init__(self, field_name: str, problem: str, fix: str):
+        self.field, self.problem, self.fix = field_name, problem, fix
+        super().__init__(f"{field_name}: {problem}; fix: {fix}")
+
+
+def scalar(inputs: dict[str, np.ndarray], name: str, default=None):
+    """The single value of input `name` (any [1] / [1, 1] shape), or `default` when absent."""
+    arr = inputs.get(name)
+    if arr is None:
+        return default
+    if arr.size != 1:
+        raise RequestError(name, f"expected one value, got shape {list(arr.shape)}", "send one value per request")
+    value = arr.reshape(-1)[0]
+    return value.item() if hasattr(value, "item") else value
+
+
+def _flag(value) -> bool:
+    return bool(value) if value is not None else False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters, shared by every model call of a request."""
+
+    temperature: float = 0.0  # 0 (or top_k == 1) = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        """True when every call picks the argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampling:
+    """Sampling from request inputs; `names` maps Sampling fields to this model's input names."""
+    s = Sampling(
+        temperature=float(scalar(inputs, names["temperature"], 0.0)),
+        top_k=int(scalar(inputs, names["top_k"], 0)),
+        top_p=float(scalar(inputs, names["top_p"], 1.0)),
+        seed=None if scalar(inputs, "seed") is None else int(scalar(inputs, "seed")),
+        repetition_penalty=float(scalar(inputs, "repetition_penalty", 1.0)),
+        presence_penalty=float(scalar(inputs, "presence_penalty", 0.0)),
+        frequency_penalty=float(scalar(inputs, "frequency_penalty", 0.0)),
+        min_tokens=int(scalar(inputs, "min_tokens", 0)),
+    )
+    if s.temperature < 0:
+        raise RequestError(names["temperature"], f"{s.temperature} is negative", "use 0 (greedy) or a positive value")
+    if s.top_k < 0:
+        raise RequestError(names["top_k"], f"{s.top_k} is negative", "use 0 (off) or a positive value")
+    if not 0.0 < s.top_p <= 1.0:
+        raise RequestError(names["top_p"], f"{s.top_p} is outside (0, 1]", "use e.g. 0.9, or 1.0 to disable")
+    if s.repetition_penalty <= 0:
+        raise RequestError("repetition_penalty", f"{s.repetition_penalty} is not positive", "use 1.0 to disable")
+    if s.min_tokens < 0:
+        raise RequestError("min_tokens", f"{s.min_tokens} is negative", "use 0 or more")
+    return s
+
+
+BLS_SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
+ENGINE_SAMPLING_NAMES = {"temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p"}
+
+# Inputs of NVIDIA's BLS/ensemble interface this implementation does not serve (multimodal, LoRA,
+# prompt tuning, guided decoding, encoder-decoder); sending one is an error, not silently ignored.
+UNSUPPORTED_BLS_INPUTS = (
+    "decoder_text_input", "image_input", "image_bytes_input", "image_url_input", "image_sizes_input",
+    "video_bytes_input", "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id",
+    "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",
+    "guided_decoding_guide_type", "guided_decoding_guide",
+)
+
+
+@dataclass(frozen=True)
+class BlsSettings:
+    """tensorrt_llm_bls parameters from its config.pbtxt."""
+
+    tokenizer_dir: str
+    target_model: str = "tensorrt_llm"
+    draft_model: str = ""
+    speculative_mode: str = "none"  # draft_target | ngram | medusa | eagle | none
+    num_draft_tokens: int = 0  # default K
+    max_draft_len: int = 0  # the target engine's capacity
+    use_draft_logits: bool = False
+    ngram_min: int = 1
+    ngram_max: int = 3
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    verify_input_len: int = 2047  # longest input_ids the target accepts (a verify call re-sends the sequence)
+    min_new_tokens_for_speculation: int = 0
+    min_acceptance_rate: float = 0.0
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "BlsSettings":
+        """Parse Triton's string parameters (unknown or empty values keep the defaults)."""
+        kwargs = {}
+        for f in cls.__dataclass_fields__.values():
+            key = {"target_model": "tensorrt_llm_model_name", "draft_model": "tensorrt_llm_draft_model_name"}.get(f.name, f.name)
+            if key not in params:
+                continue
+            raw = params[key]
+            if f.type in ("int",):
+                kwargs[f.name] = int(raw)
+            elif f.type in ("float",):
+                kwargs[f.name] = float(raw)
+            elif f.type in ("bool",):
+                kwargs[f.name] = raw.lower() in ("1", "true", "yes")
+            else:
+                kwargs[f.name] = raw
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One validated tensorrt_llm_bls / ensemble request."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    num_draft_tokens: int  # 0 = plain decoding
+    use_draft_logits: bool
+    sampling: Sampling
+    end_id: int
+    pad_id: int
+    stop_words: list[list[int]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    exclude_input_in_output: bool = True
+    return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:
+    arr = inputs.get(name)
+    if arr is None:
+        return []
+    try:
+        return decode_bytes_list(arr.reshape(-1).tolist())
+    except UnicodeDecodeError:
+        raise RequestError(name, "is not valid UTF-8", "send UTF-8 encoded text") from None
+
+
+def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tokenizer) -> TextRequest:
+    """Validate and tokenize a text request (NVIDIA's BLS/ensemble input names)."""
+    for name in UNSUPPORTED_BLS_INPUTS:
+        if name in inputs:
+            raise RequestError(name, "is not supported by this server", f"remove {name} from the request")
+    texts = _strings(inputs, "text_input")
+    if len(texts) != 1:
+        raise RequestError("text_input", f"expected one string, got {len(texts)}", "send one prompt per request")
+    prompt_ids = tokenizer.encode(texts[0], add_special_tokens=False)
+    if not prompt_ids:
+        raise RequestError("text_input", "is empty", "send a non-empty prompt")
+    if len(prompt_ids) > settings.max_input_len:
+        raise RequestError("text_input", f"{len(prompt_ids)} tokens exceed max_input_len {settings.max_input_len}",
+                           "shorten the prompt")
+    max_tokens = scalar(inputs, "max_tokens")
+    if max_tokens is None:
+        raise RequestError("max_tokens", "is required", "send max_tokens (INT32), e.g. 64")
+    max_tokens = int(max_tokens)
+    if max_tokens <= 0:
+        raise RequestError("max_tokens", f"{max_tokens} is not positive", "ask for at least 1 token")
+    room = settings.max_seq_len - len(prompt_ids)
+    if max_tokens > room:
+        raise RequestError("max_tokens", f"{max_tokens} plus the {len(prompt_ids)} prompt tokens exceed max_seq_len "
+                           f"{settings.max_seq_len}", f"ask for at most {room} tokens")
+    k = scalar(inputs, "num_draft_tokens")
+    k = settings.num_draft_tokens if k is None else int(k)
+    if k < 0:
+        raise RequestError("num_draft_tokens", f"{k} is negative", "use 0 (no speculation) or more")
+    if k > 0 and settings.speculative_mode in ("draft_target", "ngram") and k > settings.max_draft_len:
+        raise RequestError("num_draft_tokens", f"{k} exceeds the target engine's max_draft_len {settings.max_draft_len}",
+                           f"use at most {settings.max_draft_len}")
+    if k > 0 and settings.speculative_mode not in ("draft_target", "ngram", "medusa", "eagle"):
+        raise RequestError("num_draft_tokens", f"{k} > 0 but this repository has no speculative decoding",
+                           "send 0, or assemble the repository from a spec with speculative.mode set")
+    use_logits = scalar(inputs, "use_draft_logits")
+    use_logits = settings.use_draft_logits if use_logits is None else bool(use_logits)
+    if use_logits and k > 0 and settings.speculative_mode != "draft_target":
+        raise RequestError("use_draft_logits", "needs a draft model", "set it to false")
+    for name in ("beam_width", "num_return_sequences"):
+        n = scalar(inputs, name)
+        if n is not None and int(n) != 1:
+            raise RequestError(name, f"{n} is not supported", f"set {name} to 1")
+    for name in ("return_context_logits", "return_generation_logits", "return_log_probs"):
+        if _flag(scalar(inputs, name)):
+            raise RequestError(name, "is not supported by the speculative BLS", f"set {name} to false")
+    end_id = scalar(inputs, "end_id")
+    pad_id = scalar(inputs, "pad_id")
+    return TextRequest(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, stream=_flag(scalar(inputs, "stream")),
+        num_draft_tokens=k if settings.speculative_mode in ("draft_target", "ngram") else 0,
+        use_draft_logits=use_logits, sampling=read_sampling(inputs, BLS_SAMPLING_NAMES),
+        end_id=default_end_id(tokenizer) if end_id is None else int(end_id),
+        pad_id=default_pad_id(tokenizer) if pad_id is None else int(pad_id),
+        stop_words=words_to_ids(tokenizer, _strings(inputs, "stop_words")),
+        bad_words=words_to_ids(tokenizer, _strings(inputs, "bad_words")),
+        exclude_input_in_output=True if scalar(inputs, "exclude_input_in_output") is None
+        else bool(scalar(inputs, "exclude_input_in_output")),
+        return_perf_metrics=_flag(scalar(inputs, "return_perf_metrics")),
+        return_num_input_tokens=_flag(scalar(inputs, "return_num_input_tokens")),
+        return_num_output_tokens=_flag(scalar(inputs, "return_num_output_tokens")),
+    )

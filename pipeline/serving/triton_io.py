@@ -1,0 +1,50 @@
+"""Glue between Triton's python backend objects and numpy (imported only inside the server's models)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.serving.params import RequestError
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The string parameters of the model's config.pbtxt (from initialize's args)."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def model_config(args: dict) -> dict:
+    """The model's config as a dict (from initialize's args)."""
+    return json.loads(args["model_config"])
+
+
+def request_inputs(request, names: list[str]) -> dict[str, np.ndarray]:
+    """Every input of `request` among `names` that the client sent, as numpy arrays."""
+    out = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            out[name] = tensor.as_numpy()
+    return out
+
+
+def tensors(arrays: dict[str, np.ndarray]) -> list:
+    """pb_utils.Tensor list from name -> array."""
+    return [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+
+
+def error_response(exc: BaseException):
+    """A response carrying the error: INVALID_ARG for request problems, INTERNAL otherwise."""
+    if isinstance(exc, RequestError):
+        err = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+    else:
+        err = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+def send_final_error(sender, exc: BaseException) -> None:
+    """Close a decoupled request with an error response, so the client never waits forever."""
+    sender.send(error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
