@@ -373,6 +373,19 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
 # ----------------------------------------------------------------------------- the whole spec
 
 
+def check_group_size(model, info: CheckpointInfo, where: str) -> None:
+    """int4 qformats: every decoder linear's input width must be a multiple of group_size."""
+    if model.qformat not in ("int4_wo", "int4_awq") or info.tensors is None:
+        return
+    widths = sorted({shape[1] for name, (_dtype, shape) in info.tensors.items()
+                     if name.startswith("model.layers.") and name.endswith("_proj.weight")})
+    bad = [w for w in widths if w % model.group_size]
+    if bad:
+        fits = [g for g in (128, 64, 32, 16) if all(w % g == 0 for w in widths)]
+        raise SpecError(f"{where}.group_size", f"{model.group_size} does not divide the linear input widths {bad}",
+                        f"set group_size: {fits[0]}" if fits else "use int8_wo")
+
+
 def inspect_spec(spec: Spec) -> Report:
     """Run every check on the spec's checkpoints and the memory plan; raises SpecError on the first problem."""
     from pipeline.memory import memory_plan
@@ -400,6 +413,8 @@ def inspect_spec(spec: Spec) -> Report:
         heads, warnings = check_eagle(spec, target)
         report.warnings += warnings
         report.checks.append(f"EAGLE-{s.eagle.version} weights match hidden {target.hidden_size} / vocab {target.vocab_size}")
+    for role, info in report.models.items():
+        check_group_size(getattr(spec.models, role), info, f"models.{role}")
     report.memory = memory_plan(spec, report.models, heads)
     report.checks.append(f"engines fit on {spec.gpu.name} ({spec.gpu.memory_gib:g} GiB)")
     return report

@@ -179,6 +179,9 @@ def contract_parser(tool: str) -> argparse.ArgumentParser:
             parser.add_argument(*names, action="store_true")
             continue
         kwargs = {"type": types.get(str(arg.get("type")), str)}
+        default = arg.get("default")
+        if default is not None and not (isinstance(default, str) and kwargs["type"] is not str):
+            kwargs["default"] = None if str(default).startswith("argparse.SUPPRESS") else default
         if isinstance(arg.get("choices"), list):
             choices = [c for c in arg["choices"] if c is not None]
             kwargs["choices"] = choices
