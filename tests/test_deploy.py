@@ -1,0 +1,517 @@
+"""deploy/: every overlay renders with kustomize, validates against the pinned Kubernetes schemas,
+follows the policies (resources, probes, security, pinned images) and agrees with its spec.
+
+One spec per overlay, on tiny generated checkpoints, with non-default values (ports, tp x pp, GPU
+name, KV fractions) so that a value typed into the static YAML instead of generated would show.
+"""
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pipeline import __version__, deploy, stack
+from pipeline.plan import make_plan
+from pipeline.spec import load_spec
+
+KUBERNETES_VERSION = "1.32"  # the schema version the manifests are validated against
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with kustomize) is not installed: overlays not rendered")
+REPO_DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+BLS_METRICS = REPO_DEPLOY.parent / "pipeline" / "serving" / "metrics.py"
+CRD_GROUP = "monitoring.coreos.com/"  # Prometheus operator CRDs: kubernetes-validate has no schema for them
+PRESTOP_S = 15
+
+SPECS = {
+    "cpu-reference": """
+name: cpu-tiny
+toolchain: reference
+models:
+  target: {{checkpoint: {target}, dtype: float32}}
+  draft: {{checkpoint: {draft}, dtype: float32}}
+speculative: {{mode: draft_target, max_draft_len: 6, num_draft_tokens: 4, min_acceptance_rate: 0.2}}
+engine: {{max_batch_size: 4, max_input_len: 256, max_seq_len: 512, max_num_tokens: 1024}}
+serving: {{http_port: 9000, grpc_port: 9001, metrics_port: 9002}}
+""",
+    "gpu-draft-target": """
+name: gpu-dt
+toolchain: trtllm
+models:
+  target: {{checkpoint: {target}, dtype: float16, qformat: int8_wo}}
+  draft: {{checkpoint: {draft}, dtype: float16}}
+speculative: {{mode: draft_target, max_draft_len: 8, num_draft_tokens: 5}}
+engine: {{tp_size: 2, pp_size: 1}}
+serving: {{kv_cache_free_gpu_mem_fraction: {{target: 0.55, draft: 0.25}}, http_port: 8100, grpc_port: 8101, metrics_port: 8102}}
+gpu: {{name: NVIDIA-A100-SXM4-80GB, memory_gib: 80, count: 2}}
+""",
+    "gpu-medusa": """
+name: gpu-medusa
+toolchain: trtllm
+models:
+  target: {{checkpoint: {target}, dtype: float16}}
+speculative:
+  mode: medusa
+  max_draft_len: 7
+  num_draft_tokens: 7
+  medusa: {{checkpoint: {medusa}}}
+engine: {{tp_size: 1, pp_size: 2}}
+gpu: {{name: NVIDIA-L40S, memory_gib: 48, count: 2}}
+""",
+    "gpu-eagle": """
+name: gpu-eagle
+toolchain: trtllm
+models:
+  target: {{checkpoint: {target}, dtype: bfloat16}}
+speculative:
+  mode: eagle
+  max_draft_len: 6
+  num_draft_tokens: 6
+  eagle: {{checkpoint: {eagle}}}
+engine: {{tp_size: 4, pp_size: 1}}
+gpu: {{count: 4}}
+""",
+}
+OVERLAYS = list(SPECS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny target + draft, untrained Medusa heads and EAGLE weights for that target."""
+    from pipeline.models import make_random_eagle, make_random_medusa
+    from pipeline.toymodels import make_derived_pair
+
+    root = tmp_path_factory.mktemp("ckpt")
+    target, draft = make_derived_pair(root / "pair", eps=0.15)
+    return {"target": target, "draft": draft,
+            "medusa": make_random_medusa(target, root / "medusa"), "eagle": make_random_eagle(target, root / "eagle")}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, checkpoints):
+    """A copy of deploy/ and one spec file per overlay."""
+    root = tmp_path_factory.mktemp("deploy")
+    shutil.copytree(REPO_DEPLOY, root / "deploy", ignore=shutil.ignore_patterns("generated"))
+    for overlay, text in SPECS.items():
+        body = text.format(**checkpoints) + f"output: {{dir: {root / 'out'}, cache_dir: {root / 'cache'}}}\n"
+        (root / f"{overlay}.yaml").write_text(body)
+    return root
+
+
+def generate(root: Path, overlay: str, overrides=()) -> deploy.Deployment:
+    """Run what `python -m pipeline deploy SPEC --overlay DIR` runs; returns the planned deployment."""
+    spec = load_spec(root / f"{overlay}.yaml", list(overrides))
+    folder = root / "deploy" / "overlays" / overlay
+    d = deploy.plan_deployment(spec, deploy.overlay_toolchain(folder), deploy.read_kustomization(folder).get("namespace"))
+    deploy.write_component(d, folder)
+    return d
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """`kubectl kustomize` of a folder, as objects."""
+    out = subprocess.run([KUBECTL, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered(workdir):
+    """overlay -> (Deployment plan, rendered objects)."""
+    if KUBECTL is None:
+        pytest.skip("kubectl (with kustomize) is not installed: overlays not rendered")
+    return {o: (d, kustomize(workdir / "deploy" / "overlays" / o)) for o in OVERLAYS for d in [generate(workdir, o)]}
+
+
+def find(objects, kind, name=None):
+    """Objects of `kind` (and name prefix)."""
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"].startswith(name))]
+
+
+def one(objects, kind, name=None):
+    (obj,) = find(objects, kind, name)
+    return obj
+
+
+def pod_specs(objects):
+    """(object name, pod spec) of every workload."""
+    return [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objects if o["kind"] in ("Deployment", "Job")]
+
+
+def containers(pod):
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def container(pod, name):
+    (c,) = [c for c in containers(pod) if c["name"] == name]
+    return c
+
+
+def values_of(objects) -> dict:
+    return one(objects, "ConfigMap", "specdeploy-values")["data"]
+
+
+def files_of(objects) -> dict:
+    return one(objects, "ConfigMap", "specdeploy-files")["data"]
+
+
+# ----------------------------------------------------------------------------- rendering and schemas
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_every_part(rendered, overlay):
+    _d, objects = rendered[overlay]
+    kinds = {o["kind"] for o in objects}
+    assert {"Namespace", "ServiceAccount", "PersistentVolumeClaim", "Job", "Deployment", "Service",
+            "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule",
+            "ConfigMap"} <= kinds
+    assert {o["metadata"]["name"].rsplit("-", 1)[0] for o in find(objects, "Job")} == {"specdeploy-engine-build", "specdeploy"}
+    namespace = one(objects, "Namespace")["metadata"]["name"]
+    assert all(o["metadata"].get("namespace") == namespace for o in objects if o["kind"] != "Namespace")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_validate_strictly_against_pinned_kubernetes_schemas(rendered, overlay):
+    _d, objects = rendered[overlay]
+    builtin = [o for o in objects if not o["apiVersion"].startswith(CRD_GROUP)]
+    assert len(builtin) >= 14
+    for obj in builtin:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, err.path))}: {err.message}")
+
+
+@needs_kubectl
+def test_strict_validation_rejects_a_misspelled_field(rendered):
+    _d, objects = rendered["cpu-reference"]
+    broken = json.loads(json.dumps(one(objects, "Deployment")))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"periodSeconds": 5}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric (and recorded series) names in a PromQL expression: identifiers followed by `{` or `[`."""
+    return set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", expr)) - {"by", "ignoring", "on", "without"}
+
+
+def bls_metric_names() -> dict[str, str]:
+    """Constant name -> metric name of pipeline/serving/metrics.py, read from its source (it imports
+    triton_python_backend_utils, which exists only inside Triton)."""
+    tree = ast.parse(BLS_METRICS.read_text())
+    return {node.targets[0].id: node.value.value for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            and node.value.value.startswith("spec_decode_")}
+
+
+def known_metric_names() -> set[str]:
+    """Triton's metrics used here, the BLS's metrics and our recorded series."""
+    triton = {"nv_inference_request_success", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+              "nv_inference_compute_infer_duration_us", "up"}
+    return triton | set(bls_metric_names().values()) | {deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_objects_structurally(rendered, overlay):
+    """The Prometheus operator CRDs have no schema in kubernetes-validate: check their structure and references."""
+    d, objects = rendered[overlay]
+    server = one(objects, "Deployment", "specdeploy-triton")
+    pod_labels = server["spec"]["template"]["metadata"]["labels"]
+    port_names = {p["name"] for p in container(server["spec"]["template"]["spec"], "triton")["ports"]}
+
+    monitor = one(objects, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(pod_labels.items())
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    assert "metrics" in port_names
+
+    rule = one(objects, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert set(rule["spec"].keys()) == {"groups"} and all(set(g) <= {"name", "interval", "rules"} for g in rule["spec"]["groups"])
+    known = known_metric_names()
+    for r in rules:
+        assert ("record" in r) != ("alert" in r), r
+        assert r["expr"].count("(") == r["expr"].count(")") and r["expr"].count("{") == r["expr"].count("}")
+        assert promql_metric_names(r["expr"]) <= known, r["expr"]
+    records = {r["record"]: r["expr"] for r in rules if "record" in r}
+    assert "nv_inference_queue_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
+    assert "nv_inference_compute_infer_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
+    assert {deploy.DRAFT_TOKENS_METRIC, deploy.ACCEPTED_TOKENS_METRIC} <= promql_metric_names(records[deploy.ACCEPTANCE_RECORD])
+    (alert,) = [r for r in rules if "alert" in r]
+    assert alert["expr"].endswith(f"< {d.spec.speculative.min_acceptance_rate}")
+    assert deploy.ACCEPTANCE_RECORD in alert["expr"] and f'namespace="{d.namespace}"' in alert["expr"]
+
+
+def test_bls_exports_the_counters_the_rules_use():
+    names = bls_metric_names()
+    assert names["DRAFT_TOKENS"] == deploy.DRAFT_TOKENS_METRIC
+    assert names["ACCEPTED_TOKENS"] == deploy.ACCEPTED_TOKENS_METRIC
+
+
+@needs_kubectl
+def test_hpa_metric_is_served_by_the_adapter_from_the_recording_rule(rendered):
+    _d, objects = rendered["gpu-draft-target"]
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdeploy-triton"}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == deploy.HPA_METRIC
+    adapter = yaml.safe_load((REPO_DEPLOY / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert rule["seriesQuery"].startswith(deploy.QUEUE_RATIO_RECORD + "{")
+    assert re.fullmatch(rule["name"]["matches"], deploy.QUEUE_RATIO_RECORD)
+    assert rule["name"]["as"] == deploy.HPA_METRIC
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert "<<.Series>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+def test_grafana_dashboard_has_throughput_latency_and_acceptance_panels():
+    dashboard = json.loads((REPO_DEPLOY / "base" / "grafana-dashboard.json").read_text())
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    assert {"throughput", "latency", "acceptance"} <= set(re.findall(r"[a-z]+", titles))
+    known = known_metric_names()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert promql_metric_names(target["expr"]) <= known, target["expr"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_requests_limits_and_a_restricted_security_context(rendered, overlay):
+    _d, objects = rendered[overlay]
+    for name, pod in pod_specs(objects):
+        pod_security = pod["securityContext"]
+        assert pod_security["runAsNonRoot"] is True and pod_security["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        for c in containers(pod):
+            where = f"{name}/{c['name']}"
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), where
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert "privileged" not in sc, where
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_server_probes_startup_budget_and_draining(rendered, overlay):
+    d, objects = rendered[overlay]
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    triton = container(pod, "triton")
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert triton[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+    startup = triton["startupProbe"]
+    budget_s = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget_s >= (1200 if d.toolchain == "trtllm" else 300)  # a cold engine load
+    assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
+    drain_s = PRESTOP_S + deploy.EXIT_TIMEOUT_S
+    assert pod["terminationGracePeriodSeconds"] > drain_s
+    if d.toolchain == "trtllm":
+        assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in triton["command"]
+    shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm[0]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in triton["volumeMounts"]
+    hf = [e for e in triton["env"] if e["name"] == "HF_TOKEN"]
+    assert hf[0]["valueFrom"]["secretKeyRef"] == {"name": "specdeploy-hf-token", "key": "token", "optional": True}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_pinned(rendered, overlay):
+    d, objects = rendered[overlay]
+    images = {c["image"] for _name, pod in pod_specs(objects) for c in containers(pod)}
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert "@sha256:" in image or (name and tag and tag != "latest" and "/" not in tag), image
+    expected = {f"{deploy.PIPELINE_IMAGE}:{__version__}"} | ({stack.TRITON_IMAGE} if d.toolchain == "trtllm" else set())
+    assert images == expected
+
+
+@needs_kubectl
+def test_an_overlay_can_pin_the_triton_image_by_digest(rendered, workdir):
+    """What deploy/README.md tells users: an `images:` entry with a digest in the overlay."""
+    folder = workdir / "deploy" / "overlays" / "gpu-medusa"
+    digest = "sha256:" + "ab" * 32
+    original = (folder / "kustomization.yaml").read_text()
+    name = stack.TRITON_IMAGE.rsplit(":", 1)[0]
+    try:
+        (folder / "kustomization.yaml").write_text(original + f"images:\n- name: {name}\n  digest: {digest}\n")
+        pod = one(kustomize(folder), "Deployment")["spec"]["template"]["spec"]
+    finally:
+        (folder / "kustomization.yaml").write_text(original)
+    assert container(pod, "triton")["image"] == f"{name}@{digest}"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_selectors_and_named_ports_reach_the_server_pods(rendered, overlay):
+    _d, objects = rendered[overlay]
+    server = one(objects, "Deployment")
+    labels = server["spec"]["template"]["metadata"]["labels"]
+    assert set(server["spec"]["selector"]["matchLabels"].items()) <= set(labels.items())
+    ports = {p["name"]: p["containerPort"] for p in container(server["spec"]["template"]["spec"], "triton")["ports"]}
+    service = one(objects, "Service")
+    assert set(service["spec"]["selector"].items()) <= set(labels.items())
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {n: n for n in ("http", "grpc", "metrics")}
+    assert set(one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items()) <= set(labels.items())
+    policy = one(objects, "NetworkPolicy", "specdeploy-triton")
+    assert set(policy["spec"]["podSelector"]["matchLabels"].items()) <= set(labels.items())
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["egress"] == []
+    assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]} == set(ports)
+    bench_policy = one(objects, "NetworkPolicy", "specdeploy-bench")
+    bench_pod = one(objects, "Job", "specdeploy-bench")["spec"]["template"]
+    assert set(bench_policy["spec"]["podSelector"]["matchLabels"].items()) <= set(bench_pod["metadata"]["labels"].items())
+
+
+# ----------------------------------------------------------------------------- values from the spec
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_values_agree_with_the_spec(rendered, overlay, workdir):
+    d, objects = rendered[overlay]
+    spec = load_spec(workdir / f"{overlay}.yaml")
+    s, e = spec.serving, spec.engine
+    key = make_plan(spec, d.toolchain).build_key
+    values = values_of(objects)
+
+    # ports: Service, container and (trtllm) server flags
+    service_ports = {p["name"]: p["port"] for p in one(objects, "Service")["spec"]["ports"]}
+    assert service_ports == {"http": s.http_port, "grpc": s.grpc_port, "metrics": s.metrics_port}
+    server = one(objects, "Deployment")["spec"]["template"]["spec"]
+    triton = container(server, "triton")
+    assert {p["name"]: p["containerPort"] for p in triton["ports"]} == service_ports
+    assert (values["HTTP_PORT"], values["GRPC_PORT"], values["METRICS_PORT"]) == tuple(map(str, service_ports.values()))
+
+    # GPU count = tp x pp on the server and the trtllm-build step; GPU product affinity; none on CPU
+    job = one(objects, "Job", "specdeploy-engine-build")
+    gpu_containers = [triton] + [c for c in containers(job["spec"]["template"]["spec"]) if c["name"] == "trtllm-build"]
+    all_containers = [c for _n, pod in pod_specs(objects) for c in containers(pod)]
+    if d.toolchain == "trtllm":
+        assert len(gpu_containers) == 2
+        for c in gpu_containers:
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == e.tp_size * e.pp_size
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == e.tp_size * e.pp_size
+        for pod in (server, job["spec"]["template"]["spec"]):
+            term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+            assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "In", "values": [spec.gpu.name]}]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert [c["name"] for c in job["spec"]["template"]["spec"]["initContainers"]] == ["stage-checkpoints", "trtllm-build"]
+    else:
+        assert not any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in all_containers)
+        assert "affinity" not in server
+
+    # build key: Job name, engine folder, READY marker the server waits for, staged checkpoint paths
+    assert job["metadata"]["name"] == f"specdeploy-engine-build-{key}"
+    assert values["BUILD_KEY"] == key and values["BUILD_DIR"] == f"/engines/{key}"
+    assert values["MODEL_REPO"].startswith(f"/engines/{key}/")
+    assert '"$BUILD_DIR/READY"' in " ".join(container(server, "wait-for-engines")["command"])
+    staged = json.loads(files_of(objects)["checkpoints.json"])
+    roles = {"draft_target": {"target", "draft"}, "medusa": {"target", "medusa"}, "eagle": {"target", "eagle"}}
+    assert {c["role"] for c in staged} == roles[spec.speculative.mode]
+    assert all(c["dest"] == f"/models/{key}/{c['role']}" for c in staged)
+
+    # the spec the pods load: same spec, pods' paths
+    cluster = yaml.safe_load(files_of(objects)["spec.yaml"])
+    assert cluster["output"]["dir"] == f"/engines/{key}" and cluster["serving"]["host"] == "0.0.0.0"
+    assert cluster["models"]["target"]["checkpoint"] == f"/models/{key}/target"
+    assert cluster["engine"] == {k: getattr(e, k) for k in cluster["engine"]}
+
+    # model names and KV fractions: what the repository assembler will write
+    names = values["TRITON_MODELS"].split(",")
+    assert {"preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls", "ensemble"} <= set(names)
+    assert ("tensorrt_llm_draft" in names) == (spec.speculative.mode == "draft_target")
+    kv = s.kv_cache_free_gpu_mem_fraction
+    if kv.target is not None:
+        assert float(values["KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET"]) == kv.target
+        assert float(values["KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT"]) == kv.draft
+    assert 0 < float(values["KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET"]) < 1
+    assert values["GPU_COUNT"] == str(e.tp_size * e.pp_size)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("gpu-")])
+def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, overlay):
+    from pipeline.trtllm import parse_script
+
+    d, objects = rendered[overlay]
+    script = files_of(objects)["trtllm.sh"]
+    job = one(objects, "Job", "specdeploy-engine-build")["spec"]["template"]["spec"]
+    assert container(job, "trtllm-build")["command"] == ["bash", "/etc/specdeploy/trtllm.sh"]
+    assert script.splitlines()[1] == f'if [ -f "$BUILD_DIR/{deploy.READY}" ]; then echo "engines of build key $BUILD_KEY are ready"; exit 0; fi'
+    # the same steps and keys as `plan --dry-run` on the local spec, with the pods' paths
+    local = make_plan(d.spec, "trtllm")
+    assert [key for key, _label, _cmd in parse_script(script)] == [s.key for s in local.steps]
+    assert f'TARGET_MODEL_DIR="${{TARGET_MODEL_DIR:-/models/{d.build_key}/target}}"' in script
+    assert 'CACHE_DIR="${CACHE_DIR:-/engines/cache/trtllm}"' in script
+    assert str(d.spec.models.target.checkpoint) not in script  # no path of this machine
+    # the values ConfigMap reaches the script's environment: it must not override the script's own paths
+    script_vars = set(re.findall(r'^([A-Z_]+)="\$\{', script, re.M))
+    assert script_vars and not script_vars & set(values_of(objects))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_variables_in_commands_are_defined(rendered, overlay):
+    """$(VAR) is expanded by Kubernetes and $VAR by the shell: both must come from the container's environment."""
+    _d, objects = rendered[overlay]
+    values = set(values_of(objects))
+    for name, pod in pod_specs(objects):
+        for c in containers(pod):
+            env = {e["name"] for e in c.get("env", [])}
+            if any(ref.get("configMapRef", {}).get("name", "").startswith("specdeploy-values") for ref in c.get("envFrom", [])):
+                env |= values
+            text = " ".join(c.get("command", []) + c.get("args", []))
+            used = set(re.findall(r"\$\(([A-Z_]+)\)", text)) | set(re.findall(r"\$([A-Z_]+)", text))
+            assert used <= env, f"{name}/{c['name']}: {used - env}"
+
+
+@needs_kubectl
+def test_changed_engine_spec_gets_new_build_key_and_serving_change_does_not(workdir, rendered):
+    d, _objects = rendered["cpu-reference"]
+    changed = generate(workdir, "cpu-reference", ["models.draft.qformat=int8_wo"])
+    assert changed.build_key != d.build_key
+    objects = kustomize(workdir / "deploy" / "overlays" / "cpu-reference")
+    assert one(objects, "Job", "specdeploy-engine-build")["metadata"]["name"].endswith(changed.build_key)
+    assert values_of(objects)["BUILD_DIR"] == f"/engines/{changed.build_key}"
+    ports_only = generate(workdir, "cpu-reference", ["serving.http_port=9100"])
+    assert ports_only.build_key == d.build_key
+    generate(workdir, "cpu-reference")  # restore for the other tests
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_deploy_refuses_a_spec_for_the_other_toolchain(workdir):
+    from pipeline.cli import main
+
+    overlay = workdir / "deploy" / "overlays" / "gpu-medusa"
+    code = main(["deploy", str(workdir / "cpu-reference.yaml"), "--overlay", str(overlay)])
+    assert code == 2
+
+
+def test_deploy_command_writes_the_component(workdir, capsys):
+    from pipeline.cli import main
+
+    overlay = workdir / "deploy" / "overlays" / "gpu-eagle"
+    assert main(["deploy", str(workdir / "gpu-eagle.yaml"), "--overlay", str(overlay), "--hf-repo", "eagle=org/eagle"]) == 0
+    assert "build key" in capsys.readouterr().out
+    staged = {c["role"]: c for c in json.loads((overlay / "generated" / "checkpoints.json").read_text())}
+    assert staged["eagle"]["hf_repo"] == "org/eagle" and staged["target"]["hf_repo"] is None
+    assert main(["deploy", str(workdir / "gpu-eagle.yaml"), "--overlay", str(overlay), "--hf-repo", "drafty=x/y"]) == 2
+    assert "--hf-repo" in capsys.readouterr().err
