@@ -197,7 +197,10 @@ def contract_parser(tool: str) -> argparse.ArgumentParser:
 
 def check_command(command: Command) -> argparse.Namespace:
     """Parse a command with the contract's parser and apply the documented incompatibilities."""
-    ns, unknown = contract_parser(command.tool).parse_known_args(list(command.args))
+    try:
+        ns, unknown = contract_parser(command.tool).parse_known_args(list(command.args))
+    except argparse.ArgumentError as exc:
+        raise ContractError(f"{command.tool}: {exc}") from None
     if unknown:
         raise ContractError(f"{command.tool}: unknown arguments {unknown}")
     if command.tool == "trtllm-build":

@@ -56,3 +56,58 @@ def test_eagle_rules(spec_file, tmp_path):
     with pytest.raises(SpecError) as err:
         load_spec(spec_file, eagle + ["toolchain=trtllm", "speculative.eagle.version=3"])
     assert err.value.path == "speculative.eagle.version"
+
+
+# ----------------------------------------------------------------------------- the CLI's one-line errors
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m pipeline ...` in a subprocess, from the repository root."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("overrides, path", [
+    (["engine.max_batch_sise=4"], "engine.max_batch_sise"),                       # unknown key
+    (["engine.max_batch_size=four"], "engine.max_batch_size"),                    # wrong type
+    (["models.draft.checkpoint=/nonexistent/x"], "models.draft.checkpoint"),      # missing path
+    (["speculative.num_draft_tokens=9"], "speculative.num_draft_tokens"),         # impossible combination
+])
+def test_cli_prints_one_line_error_and_exits_2(spec_file, overrides, path):
+    sets = [a for o in overrides for a in ("--set", o)]
+    result = run_cli("validate", str(spec_file), *sets)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {path}: ") and "; fix: " in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_eagle_combinations_are_one_line_errors(spec_file, tmp_path):
+    eagle = ["--set", "models.draft=null", "--set", "speculative.mode=eagle",
+             "--set", f"speculative.eagle.checkpoint={tmp_path / 'ckpt'}"]
+    result = run_cli("validate", str(spec_file), *eagle, "--set", "engine.pp_size=2", "--set", "gpu.count=2")
+    assert result.returncode == 2 and result.stderr.startswith("error: engine.pp_size: ")
+    result = run_cli("validate", str(spec_file), *eagle, "--set", "toolchain=trtllm", "--set", "speculative.eagle.version=3")
+    assert result.returncode == 2 and result.stderr.startswith("error: speculative.eagle.version: ")
+
+
+def test_cli_missing_spec_file_is_a_user_error(tmp_path):
+    result = run_cli("validate", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and result.stderr.startswith("error: spec: ")
+
+
+def test_cli_valid_spec(spec_file):
+    result = run_cli("validate", str(spec_file))
+    assert result.returncode == 0 and result.stdout.startswith("ok: ")
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_is_a_valid_spec(example):
+    spec = load_spec(example, check_paths=False)
+    assert spec.models.target.checkpoint.is_relative_to(REPO / "models")
