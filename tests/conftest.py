@@ -4,6 +4,9 @@ import pytest
 
 from pipeline.toymodels import make_derived_pair, make_tiny_llama
 
+# Real-Triton fixtures (tiny_spec_engines, triton_server): one server per session.
+pytest_plugins = ["tests.triton_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def derived_pair(tmp_path_factory):

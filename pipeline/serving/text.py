@@ -74,7 +74,9 @@ class IncrementalDetokenizer:
 
     Decodes a small window of recent tokens twice (before and after the new ones) and emits the
     difference; when the new text ends in an incomplete UTF-8 sequence (a replacement character)
-    it waits for more tokens. `flush` emits whatever is left at the end of generation.
+    it waits for more tokens. The window always starts where earlier text ended on a whole
+    character, so the deltas concatenate to exactly `decode(all ids)`. `flush` emits whatever is
+    left at the end of generation.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -85,7 +87,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # tokens before this have been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly complete text (may be empty)."""
@@ -174,5 +176,6 @@ def postprocess(tokens: np.ndarray, lengths: np.ndarray, tokenizer, skip_special
     for b in range(tokens.shape[0]):
         for beam in range(tokens.shape[1]):
             ids = tokens[b, beam, :int(lengths[b, beam])].tolist()
-            out[b, beam] = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).encode("utf-8")
+            text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            out[b, beam] = text.encode("utf-8")
     return out

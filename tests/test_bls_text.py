@@ -1,0 +1,79 @@
+"""Text handling shared by preprocessing, postprocessing and the BLS (no server needed)."""
+
+import numpy as np
+import pytest
+
+from pipeline.serving.params import BlsSettings, RequestError, parse_text_request
+from pipeline.serving.text import (IncrementalDetokenizer, from_word_list_format, load_tokenizer, postprocess,
+                                   preprocess, to_word_list_format)
+
+MULTIBYTE = "héllo wörld: 日本語のテキスト 🙂 naïve café ∑"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return load_tokenizer(str(tiny_llama))
+
+
+def test_streaming_detokenization_never_splits_a_character(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
+    # the tiny byte-level BPE splits multi-byte characters across tokens: the test is meaningful
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE
+    for d in deltas:
+        d.encode("utf-8")  # every streamed piece is valid UTF-8 on its own
+
+
+def test_detokenizer_chunks_concatenate_to_full_decode(tokenizer):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 512, size=200).tolist()  # random tokens: invalid byte sequences included
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces, i = [], 0
+    while i < len(ids):
+        n = int(rng.integers(1, 5))
+        pieces.append(detok.add(ids[i:i + n]))
+        i += n
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_word_list_format_round_trip():
+    words = [[5, 6], [7], [8, 9, 10]]
+    arr = to_word_list_format(words)
+    assert arr.shape == (2, 6) and arr.dtype == np.int32
+    assert arr[1].tolist()[:3] == [2, 3, 6]
+    assert from_word_list_format(arr) == words
+    assert to_word_list_format([]).tolist() == [[-1], [-1]]
+
+
+def test_preprocess_and_postprocess_round_trip(tokenizer):
+    out = preprocess({"QUERY": np.array([[b"hello world"], [MULTIBYTE.encode()]], dtype=object),
+                      "REQUEST_OUTPUT_LEN": np.array([[8], [8]], dtype=np.int32),
+                      "STOP_WORDS_DICT": np.array([[b"world"], [b""]], dtype=object)}, tokenizer, False)
+    lengths = out["REQUEST_INPUT_LEN"]
+    assert out["INPUT_ID"].shape == (2, int(lengths.max()))
+    assert from_word_list_format(out["STOP_WORDS_IDS"][0]) == [tokenizer.encode("world", add_special_tokens=False)]
+    text = postprocess(out["INPUT_ID"][:, None, :], lengths.reshape(2, 1), tokenizer, True)
+    assert [t.decode() for t in text[:, 0]] == ["hello world", MULTIBYTE]
+
+
+def test_text_request_validation(tokenizer):
+    settings = BlsSettings(tokenizer_dir="", speculative_mode="draft_target", max_draft_len=4, max_input_len=64, max_seq_len=96)
+    good = {"text_input": np.array([[b"hello"]], dtype=object), "max_tokens": np.array([[8]], dtype=np.int32)}
+    req = parse_text_request(good, settings, tokenizer)
+    assert req.max_tokens == 8 and req.num_draft_tokens == 0 and req.end_id == tokenizer.eos_token_id
+    cases = {
+        "max_tokens": {"max_tokens": np.array([[0]], dtype=np.int32)},
+        "num_draft_tokens": {"num_draft_tokens": np.array([[5]], dtype=np.int32)},
+        "text_input": {"text_input": np.array([[b"\xff\xfe"]], dtype=object)},
+        "top_p": {"top_p": np.array([[1.5]], dtype=np.float32)},
+        "lora_task_id": {"lora_task_id": np.array([[1]], dtype=np.uint64)},
+    }
+    for field, change in cases.items():
+        with pytest.raises(RequestError, match=f"^{field}: .*; fix: "):
+            parse_text_request({**good, **change}, settings, tokenizer)
+    with pytest.raises(RequestError, match="exceed max_seq_len 96"):
+        parse_text_request({**good, "max_tokens": np.array([[95]], dtype=np.int32)}, settings, tokenizer)

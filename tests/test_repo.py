@@ -1,0 +1,165 @@
+"""The assembled model repository: Triton's schema, NVIDIA's interface, engine cross-checks, trtllm contract."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_models, write_repo
+from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
+from pipeline.repo.launch import launch_command, render_launch_script
+from pipeline.repo.validate import RepoError, load_config, validate_repo
+from pipeline.spec import load_spec
+from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
+
+
+@pytest.fixture(scope="module")
+def reference_repo(tiny_spec_engines, tmp_path_factory):
+    """The reference repository assembled into a private folder (tests may tamper with it)."""
+    spec = tiny_spec_engines.spec
+    target, draft = engine_infos(spec, "reference")
+    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path_factory.mktemp("repo") / "model_repo")
+    return spec, repo, target, draft
+
+
+@pytest.fixture(scope="module")
+def trtllm_repo(tiny_spec_engines):
+    spec = tiny_spec_engines.spec
+    return spec, assemble(spec, "trtllm")
+
+
+def parse(path: Path) -> mc.ModelConfig:
+    return text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+@pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
+def test_every_config_parses_and_validates(toolchain, reference_repo, trtllm_repo):
+    spec, repo = (reference_repo[0], reference_repo[1]) if toolchain == "reference" else trtllm_repo
+    target, draft = engine_infos(spec, toolchain)
+    configs = validate_repo(repo, spec, target, draft)
+    assert sorted(configs) == sorted(MODEL_NAMES)
+    for name in MODEL_NAMES:
+        text = (repo / name / "config.pbtxt").read_text()
+        assert "${" not in text
+        assert parse(repo / name / "config.pbtxt").name == name
+
+
+def test_tensors_match_nvidia_contract(reference_repo):
+    _, repo, _, _ = reference_repo
+    for name in MODEL_NAMES:
+        cfg = parse(repo / name / "config.pbtxt")
+        nvidia = contract_interface(name)
+        declared = {t.name: t for t in cfg.input}
+        for t in nvidia.inputs:  # every NVIDIA input is declared, with NVIDIA's type and dims
+            assert t.name in declared, (name, t.name)
+            assert mc.DataType.Name(declared[t.name].data_type) == t.data_type
+            assert tuple(declared[t.name].dims) == t.dims
+        assert {t.name for t in cfg.output} >= {t.name for t in nvidia.outputs}
+    ensemble = parse(repo / "ensemble" / "config.pbtxt")
+    assert {"num_draft_tokens", "use_draft_logits"} <= {t.name for t in ensemble.input}
+    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tensorrt_llm_bls"]
+
+
+def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):
+    spec, repo = trtllm_repo
+    keys = {p["key"] for p in contract()["models"]["tensorrt_llm"]["parameters"]}
+    fractions = []
+    for name, role in (("tensorrt_llm", "target"), ("tensorrt_llm_draft", "draft")):
+        cfg = parse(repo / name / "config.pbtxt")
+        params = {k: v.string_value for k, v in cfg.parameters.items()}
+        assert cfg.backend == "tensorrtllm"
+        assert cfg.model_transaction_policy.decoupled
+        assert set(params) <= keys
+        assert params["gpt_model_type"] == "inflight_fused_batching"
+        assert params["gpt_model_path"] == str(spec.out_dir / "trtllm" / "engines" / role)
+        assert params["enable_kv_cache_reuse"] == "true"
+        assert params["exclude_input_in_output"] == "true"
+        fractions.append(float(params["kv_cache_free_gpu_mem_fraction"]))
+    assert 0 < sum(fractions) < 1 and fractions[0] > fractions[1]  # the 4-layer target gets more than the 1-layer draft
+    bls = {k: v.string_value for k, v in parse(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
+    assert bls["tensorrt_llm_model_name"] == "tensorrt_llm"
+    assert bls["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
+    assert int(bls["verify_input_len"]) == spec.engine.max_input_len  # TensorRT-LLM's own input limit
+
+
+def test_launch_script_matches_launcher_contract(trtllm_repo):
+    spec, repo = trtllm_repo
+    cli = json.loads((Path("pipeline/contracts/trtllm-1.2.1-cli.json")).read_text())["launch_triton_server"]
+    known = {a["name"] for a in cli["args"]}
+    cmd = launch_command(spec, repo)
+    flags = {a.split("=")[0] for a in cmd[2:]}
+    assert flags <= known, flags - known
+    assert "--multi-model" in cmd and "--world_size=1" in cmd  # --multi-model needs world_size 1 when spawning
+    assert "--tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_draft" in cmd
+    script = render_launch_script(spec, repo)
+    assert "tritonserver:25.12-trtllm-python-py3" in script
+    assert str(spec.out_dir / "trtllm" / "engines" / "draft" / "config.json") in script
+
+
+def _rewrite(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_placeholder_and_schema_errors_are_caught(reference_repo, tmp_path):
+    spec, repo, target, draft = reference_repo
+    bad = shutil.copytree(repo, tmp_path / "repo")
+    _rewrite(bad / "preprocessing" / "config.pbtxt", 'max_batch_size: 8', 'max_batch_size: ${triton_max_batch_size}')
+    with pytest.raises(RepoError, match="placeholder"):
+        validate_repo(bad, spec, target, draft)
+    _rewrite(bad / "preprocessing" / "config.pbtxt", 'max_batch_size: ${triton_max_batch_size}', 'max_batch: 8')
+    with pytest.raises(RepoError, match="not a valid Triton ModelConfig"):
+        load_config(bad / "preprocessing" / "config.pbtxt")
+
+
+def test_interface_drift_is_caught(reference_repo, tmp_path):
+    spec, repo, target, draft = reference_repo
+    bad = shutil.copytree(repo, tmp_path / "repo")
+    cfg = bad / "tensorrt_llm" / "config.pbtxt"
+    _rewrite(cfg, 'name: "input_lengths"\n  data_type: TYPE_INT32', 'name: "input_lengths"\n  data_type: TYPE_INT64')
+    with pytest.raises(RepoError, match="input_lengths has data_type TYPE_INT64"):
+        validate_repo(bad, spec, target, draft)
+    shutil.copy(repo / "tensorrt_llm" / "config.pbtxt", cfg)
+    _rewrite(cfg, 'key: "gpt_model_type"', 'key: "gpt_model_typo"')
+    with pytest.raises(RepoError, match="gpt_model_typo"):
+        validate_repo(bad, spec, target, draft)
+
+
+def test_engine_cross_checks(reference_repo):
+    spec, repo, target, draft = reference_repo
+    small = dataclasses.replace(target, max_batch_size=4)
+    with pytest.raises(RepoError, match="max_batch_size 8 exceeds the engine's 4"):
+        validate_repo(repo, spec, small, draft)
+    short = dataclasses.replace(target, max_draft_len=2)
+    with pytest.raises(RepoError, match="num_draft_tokens 3 exceeds the target engine's max_draft_len 2"):
+        validate_repo(repo, spec, short, draft)
+
+
+def test_draft_logits_need_gathered_draft_logits(tiny_spec_engines, tmp_path):
+    spec = load_spec(write_spec(tmp_path, tiny_spec_engines.target_dir, tiny_spec_engines.draft_dir,
+                                **{"speculative.use_draft_logits": True}))
+    target, draft = engine_infos(dataclasses.replace(spec, output=tiny_spec_engines.spec.output), "reference")
+    assert not draft.gather_generation_logits  # built without use_draft_logits
+    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path / "model_repo")
+    with pytest.raises(RepoError, match="does not gather generation logits"):
+        validate_repo(repo, spec, target, draft)
+    ok = dataclasses.replace(draft, gather_generation_logits=True)
+    validate_repo(repo, spec, target, ok)
+
+
+def test_tokenizer_must_be_the_targets(reference_repo, tmp_path):
+    spec, repo, target, draft = reference_repo
+    bad = shutil.copytree(repo, tmp_path / "repo")
+    _rewrite(bad / "postprocessing" / "config.pbtxt", str(spec.models.target.checkpoint), str(spec.models.draft.checkpoint))
+    with pytest.raises(RepoError, match="postprocessing: tokenizer_dir .* is not the target's tokenizer"):
+        validate_repo(bad, spec, target, draft)
+
+
+def test_engine_info_reads_engine_config(tiny_spec_engines):
+    info = EngineInfo.from_engine_dir(tiny_spec_engines.spec.out_dir / "engines" / "target")
+    assert (info.max_batch_size, info.max_draft_len, info.vocab_size) == (8, MAX_DRAFT_LEN, 512)
