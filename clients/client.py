@@ -1,0 +1,521 @@
+"""Client for the speculative-decoding Triton service: text in, text plus acceptance statistics out.
+
+Talks to the `ensemble` or `tensorrt_llm_bls` model (NVIDIA inflight_batcher_llm tensor names) over
+- gRPC: Triton's bidirectional ModelStreamInfer RPC, built from tritonclient's protobuf stubs. The
+  stream RPC serves decoupled and non-decoupled models alike, so non-streaming requests use it too
+  (stream=false: the model sends one final response);
+- HTTP: Triton's `/v2/models/<model>/generate` and `generate_stream` (server-sent events) endpoints.
+  Triton's `/infer` endpoint answers 501 for decoupled models, which the speculative BLS is.
+
+Both protocols come in a sync (`TritonClient`) and an async (`AsyncTritonClient`) flavour with the
+same methods: `generate(request) -> Completion` and `stream(request)` yielding `Delta`s as tokens
+arrive. Every failure a user can cause or meet (server down, unknown model, refused request,
+timeout) raises `ClientError` whose message is one line naming the cause and the fix.
+
+This module imports neither torch nor the reference engine: a client installs light.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Literal
+
+import grpc
+import grpc.aio
+import httpx
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
+
+Protocol = Literal["grpc", "http"]
+DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+STAT_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+                "num_input_tokens", "num_output_tokens")
+
+
+class ClientError(Exception):
+    """A one-line, user-facing failure. `kind` is one of: unavailable, not_found, invalid_request,
+    timeout, server_error."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters (temperature 0 = greedy). None leaves the server's default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+
+
+@dataclass
+class GenerateRequest:
+    """One text-generation request. `num_draft_tokens` is K, the draft length per speculation round
+    (0 turns speculation off); `use_draft_logits` asks for lossless rejection sampling."""
+
+    prompt: str
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int | None = None
+    use_draft_logits: bool | None = None
+    stop_words: list[str] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
+    end_id: int | None = None
+    pad_id: int | None = None
+    request_id: str = ""
+
+    def wire_fields(self, stream: bool) -> dict[str, object]:
+        """Ensemble input tensor name -> value, for the fields that are set."""
+        fields = {"text_input": self.prompt, "max_tokens": self.max_tokens, "stream": stream,
+                  "exclude_input_in_output": True, "return_num_input_tokens": True,
+                  "return_num_output_tokens": True, "num_draft_tokens": self.num_draft_tokens,
+                  "use_draft_logits": self.use_draft_logits, "end_id": self.end_id, "pad_id": self.pad_id,
+                  "stop_words": self.stop_words or None, "bad_words": self.bad_words or None}
+        fields.update(vars(self.sampling))
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+# Inputs a model may lack without harm: the client then does without them.
+OPTIONAL_EXTRAS = {"exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens", "stream"}
+# Older NVIDIA configs call the seed input random_seed.
+ALIASES = {"seed": ("seed", "random_seed")}
+
+
+@dataclass
+class Delta:
+    """One response of a stream: newly generated text and the cumulative statistics reported so far."""
+
+    text: str
+    num_tokens: int | None  # tokens in this response, when the server reports num_output_tokens
+    stats: dict[str, float]  # subset of STAT_OUTPUTS present in this response
+    time_s: float  # seconds since the request was sent
+
+
+@dataclass
+class Completion:
+    """A finished request: the text, token counts, acceptance statistics and timing.
+
+    acceptance_rate = total_accepted_draft_tokens / total_draft_tokens (0 when nothing was drafted).
+    `response_times_s` and `response_tokens` describe every response received, in order; with
+    stream=true each response carries one speculation round's accepted tokens, so
+    `accepted_per_response` (the per-round increase of total_accepted_draft_tokens) gives the
+    accepted length of each round.
+    """
+
+    request_id: str
+    text: str
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    total_draft_tokens: int
+    total_accepted_draft_tokens: int
+    acceptance_rate: float
+    finish_reason: str  # "length" when max_tokens were generated, else "stop"
+    ttft_s: float  # time to the first non-empty response
+    latency_s: float
+    response_times_s: list[float]
+    response_tokens: list[int | None]
+    accepted_per_response: list[int]
+
+    @classmethod
+    def from_deltas(cls, request: GenerateRequest, deltas: list[Delta], latency_s: float) -> "Completion":
+        """Fold a stream's deltas (or the single response of a non-streaming call) into a Completion."""
+        stats: dict[str, float] = {}
+        accepted_per_response, previous_accepted = [], 0
+        for delta in deltas:
+            stats.update(delta.stats)
+            accepted = int(delta.stats.get("total_accepted_draft_tokens", previous_accepted))
+            accepted_per_response.append(accepted - previous_accepted)
+            previous_accepted = accepted
+        counts = [d.num_tokens for d in deltas]
+        num_output = sum(counts) if counts and None not in counts else None
+        drafted = int(stats.get("total_draft_tokens", 0))
+        accepted_total = int(stats.get("total_accepted_draft_tokens", 0))
+        first = next((d.time_s for d in deltas if d.text), latency_s)
+        length_hit = num_output is not None and num_output >= request.max_tokens
+        return cls(request_id=request.request_id, text="".join(d.text for d in deltas),
+                   num_input_tokens=int(stats["num_input_tokens"]) if "num_input_tokens" in stats else None,
+                   num_output_tokens=num_output, total_draft_tokens=drafted,
+                   total_accepted_draft_tokens=accepted_total,
+                   acceptance_rate=accepted_total / drafted if drafted else 0.0,
+                   finish_reason="length" if length_hit else "stop", ttft_s=first, latency_s=latency_s,
+                   response_times_s=[d.time_s for d in deltas], response_tokens=counts,
+                   accepted_per_response=accepted_per_response)
+
+
+@dataclass
+class ModelInputs:
+    """What a served model accepts: input name -> (Triton datatype, shape) and whether it is batched."""
+
+    name: str
+    inputs: dict[str, tuple[str, list[int]]]
+
+    def encode(self, fields: dict[str, object]) -> dict[str, object]:
+        """Keep the fields the model accepts (under its own names); refuse ones it cannot honour."""
+        encoded = {}
+        for name, value in fields.items():
+            wire = next((alias for alias in ALIASES.get(name, (name,)) if alias in self.inputs), None)
+            if wire is None:
+                if name in OPTIONAL_EXTRAS:
+                    continue
+                raise ClientError("invalid_request", f"model '{self.name}' has no input '{name}'; "
+                                  f"drop it or send the request to tensorrt_llm_bls, which accepts it")
+            encoded[wire] = value
+        return encoded
+
+
+def _check_request(request: GenerateRequest) -> None:
+    """Reject obviously bad requests before they reach the server."""
+    if not request.prompt:
+        raise ClientError("invalid_request", "prompt is empty; pass some text")
+    if request.max_tokens <= 0:
+        raise ClientError("invalid_request", f"max_tokens={request.max_tokens} must be >= 1")
+    if request.num_draft_tokens is not None and request.num_draft_tokens < 0:
+        raise ClientError("invalid_request", f"num_draft_tokens={request.num_draft_tokens} must be >= 0")
+
+
+def _with_request_id(request: GenerateRequest) -> GenerateRequest:
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex[:16]
+    return request
+
+
+# ---------------------------------------------------------------- gRPC encoding
+
+def _grpc_request(model: ModelInputs, request: GenerateRequest, stream: bool) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest with one tensor per field, shaped [1, n] for batched models."""
+    message = service_pb2.ModelInferRequest(model_name=model.name, id=request.request_id)
+    message.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in model.encode(request.wire_fields(stream)).items():
+        datatype, shape = model.inputs[name]
+        values = value if isinstance(value, list) else [value]
+        if datatype == "BYTES":
+            array = np.array([v.encode() for v in values], dtype=np.object_)
+            raw = serialize_byte_tensor(array).item()
+        else:
+            array = np.array(values, dtype=triton_to_np_dtype(datatype))
+            raw = array.tobytes()
+        dims = [1, len(values)] if shape and shape[0] == -1 and len(shape) >= 2 else [len(values)]
+        message.inputs.add(name=name, datatype=datatype, shape=dims)
+        message.raw_input_contents.append(raw)
+    return message
+
+
+def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple[Delta, bool]:
+    """Decode one stream response into a Delta and its final flag."""
+    result = InferResult(response)
+    final = response.parameters["triton_final_response"].bool_param
+    if not response.outputs:  # the empty final response
+        return Delta("", 0, {}, time.perf_counter() - start), final
+    text_array = result.as_numpy("text_output")
+    text = b"".join(np.asarray(text_array).reshape(-1)).decode("utf-8", "replace") if text_array is not None else ""
+    stats = {}
+    for name in STAT_OUTPUTS:
+        array = result.as_numpy(name)
+        if array is not None:
+            stats[name] = float(np.asarray(array).reshape(-1)[0])
+    tokens = int(stats.pop("num_output_tokens")) if "num_output_tokens" in stats else None
+    return Delta(text, tokens, stats, time.perf_counter() - start), final
+
+
+def _grpc_error(error: grpc.RpcError, url: str, model: str) -> ClientError:
+    """Map a gRPC status to a one-line ClientError."""
+    code, details = error.code(), (error.details() or "").split("\n")[0]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        reason = "connection refused" if "refused" in details.lower() else details or "unavailable"
+        return ClientError("unavailable", f"cannot reach Triton at {url} (gRPC): {reason}; "
+                           "is the server running (make serve) and is the port right?")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ClientError("timeout", f"request to '{model}' at {url} timed out; raise --timeout or lower max_tokens")
+    if code == grpc.StatusCode.NOT_FOUND or "unknown model" in details:
+        return ClientError("not_found", f"model '{model}' is not served by {url}: {details}")
+    if code == grpc.StatusCode.CANCELLED:
+        return ClientError("server_error", f"request to '{model}' was cancelled: {details}")
+    return ClientError("invalid_request" if code == grpc.StatusCode.INVALID_ARGUMENT else "server_error",
+                       f"'{model}' refused the request: {details}")
+
+
+def _stream_error(message: str, model: str) -> ClientError:
+    """An error carried inside a stream response (the request reached Triton and was refused)."""
+    line = message.splitlines()[0] if message else "unknown error"
+    if "unknown model" in line or "is not found" in line:
+        return ClientError("not_found", f"model '{model}' is not served: {line}")
+    return ClientError("invalid_request", f"'{model}' refused the request: {line}")
+
+
+def _parse_metadata(model: str, metadata: dict) -> ModelInputs:
+    return ModelInputs(model, {i["name"]: (i["datatype"], [int(d) for d in i["shape"]]) for i in metadata["inputs"]})
+
+
+# ---------------------------------------------------------------- HTTP encoding
+
+def _http_delta(payload: dict, start: float) -> Delta:
+    stats = {name: float(payload[name]) for name in STAT_OUTPUTS if name in payload}
+    tokens = int(stats.pop("num_output_tokens")) if "num_output_tokens" in stats else None
+    text = payload.get("text_output", "")
+    text = "".join(text) if isinstance(text, list) else text
+    return Delta(text, tokens, stats, time.perf_counter() - start)
+
+
+def _http_error(response: httpx.Response, url: str, model: str) -> ClientError:
+    try:
+        message = response.json().get("error", response.text)
+    except (json.JSONDecodeError, AttributeError):
+        message = response.text
+    message = (message or f"HTTP {response.status_code}").splitlines()[0]
+    if response.status_code == 404 or "unknown model" in message:
+        return ClientError("not_found", f"model '{model}' is not served by {url}: {message}")
+    return ClientError("invalid_request" if response.status_code == 400 else "server_error",
+                       f"'{model}' refused the request: {message}")
+
+
+def _http_transport_error(error: httpx.HTTPError, url: str, model: str) -> ClientError:
+    if isinstance(error, httpx.TimeoutException):
+        return ClientError("timeout", f"request to '{model}' at {url} timed out; raise --timeout or lower max_tokens")
+    return ClientError("unavailable", f"cannot reach Triton at {url} (HTTP): {error or type(error).__name__}; "
+                       "is the server running (make serve) and is the port right?")
+
+
+def _sse_payloads(lines: Iterator[str]) -> Iterator[dict]:
+    for line in lines:
+        if line.startswith("data:"):
+            yield json.loads(line[5:])
+
+
+# ---------------------------------------------------------------- clients
+
+class TritonClient:
+    """Synchronous client. `url` is host:port of Triton's gRPC (default 8001) or HTTP (8000) endpoint."""
+
+    def __init__(self, url: str | None = None, protocol: Protocol = "grpc", model: str = "ensemble",
+                 timeout_s: float = 60.0):
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        self.url = url or DEFAULT_URLS[protocol]
+        self._inputs: ModelInputs | None = None
+        if protocol == "grpc":
+            self._channel = grpc.insecure_channel(self.url)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        elif protocol == "http":
+            self._http = httpx.Client(base_url=f"http://{self.url}", timeout=timeout_s)
+        else:
+            raise ClientError("invalid_request", f"protocol '{protocol}' is not one of grpc, http")
+
+    def close(self) -> None:
+        """Release the connection."""
+        if self.protocol == "grpc":
+            self._channel.close()
+        else:
+            self._http.close()
+
+    def __enter__(self) -> "TritonClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def model_inputs(self) -> ModelInputs:
+        """The served model's inputs (fetched once); raises ClientError if the server or model is missing."""
+        if self._inputs is None:
+            if self.protocol == "grpc":
+                try:
+                    reply = self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model),
+                                                     timeout=self.timeout_s)
+                except grpc.RpcError as error:
+                    raise _grpc_error(error, self.url, self.model) from None
+                self._inputs = _parse_metadata(self.model, json_format.MessageToDict(reply))
+            else:
+                try:
+                    response = self._http.get(f"/v2/models/{self.model}")
+                except httpx.HTTPError as error:
+                    raise _http_transport_error(error, self.url, self.model) from None
+                if response.status_code != 200:
+                    raise _http_error(response, self.url, self.model)
+                self._inputs = _parse_metadata(self.model, response.json())
+        return self._inputs
+
+    def generate(self, request: GenerateRequest) -> Completion:
+        """Run one request without streaming (one final response) and return the Completion."""
+        return self._collect(request, stream=False)
+
+    def stream(self, request: GenerateRequest) -> Iterator[Delta]:
+        """Stream a request: yields a Delta per server response as it arrives."""
+        yield from self._responses(request, stream=True)
+
+    def stream_completion(self, request: GenerateRequest) -> Completion:
+        """Stream a request and return the Completion (per-response timing included)."""
+        return self._collect(request, stream=True)
+
+    def _collect(self, request: GenerateRequest, stream: bool) -> Completion:
+        start = time.perf_counter()
+        deltas = list(self._responses(request, stream))
+        return Completion.from_deltas(request, deltas, time.perf_counter() - start)
+
+    def _responses(self, request: GenerateRequest, stream: bool) -> Iterator[Delta]:
+        _check_request(_with_request_id(request))
+        model = self.model_inputs()
+        start = time.perf_counter()
+        if self.protocol == "grpc":
+            yield from self._grpc_responses(model, request, stream, start)
+        else:
+            yield from self._http_responses(model, request, stream, start)
+
+    def _grpc_responses(self, model, request, stream, start) -> Iterator[Delta]:
+        call = self._stub.ModelStreamInfer(iter([_grpc_request(model, request, stream)]), timeout=self.timeout_s)
+        try:
+            for response in call:
+                if response.error_message:
+                    raise _stream_error(response.error_message, self.model)
+                delta, final = _grpc_delta(response.infer_response, start)
+                if delta.text or delta.stats:
+                    yield delta
+                if final:
+                    return
+        except grpc.RpcError as error:
+            raise _grpc_error(error, self.url, self.model) from None
+        finally:
+            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
+
+    def _http_responses(self, model, request, stream, start) -> Iterator[Delta]:
+        body = model.encode(request.wire_fields(stream))
+        path = f"/v2/models/{self.model}/{'generate_stream' if stream else 'generate'}"
+        try:
+            with self._http.stream("POST", path, json=body, headers={"X-Request-Id": request.request_id}) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise _http_error(response, self.url, self.model)
+                if not stream:
+                    yield _http_delta(json.loads(response.read()), start)
+                    return
+                for payload in _sse_payloads(response.iter_lines()):
+                    if "error" in payload:
+                        raise _stream_error(payload["error"], self.model)
+                    yield _http_delta(payload, start)
+        except httpx.HTTPError as error:
+            raise _http_transport_error(error, self.url, self.model) from None
+
+
+class AsyncTritonClient:
+    """Asynchronous client (asyncio) with the same methods as TritonClient; many requests may run at once."""
+
+    def __init__(self, url: str | None = None, protocol: Protocol = "grpc", model: str = "ensemble",
+                 timeout_s: float = 60.0):
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        self.url = url or DEFAULT_URLS[protocol]
+        self._inputs: ModelInputs | None = None
+        if protocol == "grpc":
+            self._channel = grpc.aio.insecure_channel(self.url)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        elif protocol == "http":
+            self._http = httpx.AsyncClient(base_url=f"http://{self.url}", timeout=timeout_s,
+                                           limits=httpx.Limits(max_connections=256))
+        else:
+            raise ClientError("invalid_request", f"protocol '{protocol}' is not one of grpc, http")
+
+    async def close(self) -> None:
+        """Release the connection."""
+        if self.protocol == "grpc":
+            await self._channel.close()
+        else:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncTritonClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def model_inputs(self) -> ModelInputs:
+        """The served model's inputs (fetched once); raises ClientError if the server or model is missing."""
+        if self._inputs is None:
+            if self.protocol == "grpc":
+                try:
+                    reply = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model),
+                                                           timeout=self.timeout_s)
+                except grpc.RpcError as error:
+                    raise _grpc_error(error, self.url, self.model) from None
+                self._inputs = _parse_metadata(self.model, json_format.MessageToDict(reply))
+            else:
+                try:
+                    response = await self._http.get(f"/v2/models/{self.model}")
+                except httpx.HTTPError as error:
+                    raise _http_transport_error(error, self.url, self.model) from None
+                if response.status_code != 200:
+                    raise _http_error(response, self.url, self.model)
+                self._inputs = _parse_metadata(self.model, response.json())
+        return self._inputs
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Run one request without streaming and return the Completion."""
+        return await self._collect(request, stream=False)
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Stream a request: yields a Delta per server response as it arrives."""
+        async for delta in self._responses(request, stream=True):
+            yield delta
+
+    async def stream_completion(self, request: GenerateRequest) -> Completion:
+        """Stream a request and return the Completion (per-response timing included)."""
+        return await self._collect(request, stream=True)
+
+    async def _collect(self, request: GenerateRequest, stream: bool) -> Completion:
+        start = time.perf_counter()
+        deltas = [delta async for delta in self._responses(request, stream)]
+        return Completion.from_deltas(request, deltas, time.perf_counter() - start)
+
+    async def _responses(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Delta]:
+        _check_request(_with_request_id(request))
+        model = await self.model_inputs()
+        start = time.perf_counter()
+        responses = (self._grpc_responses if self.protocol == "grpc" else self._http_responses)(
+            model, request, stream, start)
+        async for delta in responses:
+            yield delta
+
+    async def _grpc_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
+        call = self._stub.ModelStreamInfer(iter([_grpc_request(model, request, stream)]), timeout=self.timeout_s)
+        try:
+            async for response in call:
+                if response.error_message:
+                    raise _stream_error(response.error_message, self.model)
+                delta, final = _grpc_delta(response.infer_response, start)
+                if delta.text or delta.stats:
+                    yield delta
+                if final:
+                    return
+        except grpc.RpcError as error:
+            raise _grpc_error(error, self.url, self.model) from None
+        finally:
+            call.cancel()
+
+    async def _http_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
+        body = model.encode(request.wire_fields(stream))
+        path = f"/v2/models/{self.model}/{'generate_stream' if stream else 'generate'}"
+        try:
+            async with self._http.stream("POST", path, json=body,
+                                         headers={"X-Request-Id": request.request_id}) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise _http_error(response, self.url, self.model)
+                if not stream:
+                    yield _http_delta(json.loads(await response.aread()), start)
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = json.loads(line[5:])
+                    if "error" in payload:
+                        raise _stream_error(payload["error"], self.model)
+                    yield _http_delta(payload, start)
+        except httpx.HTTPError as error:
+            raise _http_transport_error(error, self.url, self.model) from None
