@@ -515,3 +515,98 @@ def test_deploy_command_writes_the_component(workdir, capsys):
     assert staged["eagle"]["hf_repo"] == "org/eagle" and staged["target"]["hf_repo"] is None
     assert main(["deploy", str(workdir / "gpu-eagle.yaml"), "--overlay", str(overlay), "--hf-repo", "drafty=x/y"]) == 2
     assert "--hf-repo" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the build Job's steps, run here
+
+
+@pytest.fixture
+def cluster_dirs(tmp_path, monkeypatch, checkpoints):
+    """Point the pods' mounts at tmp folders; the checkpoints' folder plays the pipeline image's /app."""
+    project = checkpoints["target"].parent.parent
+    monkeypatch.setattr(deploy, "ENGINES_MOUNT", tmp_path / "engines")
+    monkeypatch.setattr(deploy, "MODELS_MOUNT", tmp_path / "models")
+    monkeypatch.setattr(deploy, "PROJECT_ROOT", project)
+    monkeypatch.setattr(deploy, "APP_DIR", project)
+    return tmp_path
+
+
+def write_files(d: deploy.Deployment, folder: Path) -> Path:
+    """The specdeploy-files ConfigMap as the pods see it under /etc/specdeploy."""
+    folder.mkdir()
+    for name, text in deploy.render_component(d).items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_build_job_stages_builds_and_marks_ready_what_the_server_serves(workdir, cluster_dirs):
+    from pipeline.repo.validate import load_config
+
+    spec = load_spec(workdir / "cpu-reference.yaml")
+    d = deploy.plan_deployment(spec, "reference", "specdeploy-cpu")
+    files = write_files(d, cluster_dirs / "etc")
+    staged = deploy.stage_checkpoints(files / "checkpoints.json")
+    assert [line.split(":")[0] for line in staged] == ["target", "draft"]
+    assert (cluster_dirs / "models" / d.build_key / "draft" / "config.json").is_file()
+
+    ready = cluster_dirs / "engines" / d.build_key / deploy.READY
+    assert not ready.exists()
+    deploy.build_in_cluster(files / "spec.yaml", "reference")
+    assert ready.is_file()
+    values = d.values()
+    repo = Path(values["MODEL_REPO"])
+    assert sorted(p.name for p in repo.iterdir()) == sorted(values["TRITON_MODELS"].split(","))
+    for name, fraction in (("tensorrt_llm", values["KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET"]),
+                           ("tensorrt_llm_draft", values["KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT"])):
+        config = load_config(repo / name / "config.pbtxt")
+        assert float(config.parameters[deploy.KV_FRACTION_PARAM].string_value) == float(fraction)
+    # a second run of the Job (same build key) does nothing
+    assert "nothing to do" in deploy.build_in_cluster(files / "spec.yaml", "reference")
+
+
+def test_stage_refuses_a_checkpoint_other_than_the_one_in_the_build_key(workdir, cluster_dirs):
+    spec = load_spec(workdir / "cpu-reference.yaml")
+    d = deploy.plan_deployment(spec, "reference")
+    files = write_files(d, cluster_dirs / "etc")
+    deploy.stage_checkpoints(files / "checkpoints.json")
+    staged_config = cluster_dirs / "models" / d.build_key / "draft" / "config.json"
+    staged_config.write_text(staged_config.read_text().replace("}", ', "edited": true}', 1))
+    with pytest.raises(deploy.DeployError) as err:
+        deploy.stage_checkpoints(files / "checkpoints.json")
+    assert err.value.path == "draft" and "build key" in err.value.problem
+
+
+def test_stage_without_a_source_says_how_to_provide_one(workdir, cluster_dirs, monkeypatch):
+    monkeypatch.setattr(deploy, "PROJECT_ROOT", cluster_dirs / "elsewhere")  # checkpoints not in the image
+    d = deploy.plan_deployment(load_spec(workdir / "gpu-medusa.yaml"), "trtllm")
+    files = write_files(d, cluster_dirs / "etc")
+    with pytest.raises(deploy.DeployError) as err:
+        deploy.stage_checkpoints(files / "checkpoints.json")
+    assert err.value.path == "target" and "--hf-repo target=" in err.value.fix
+
+
+@pytest.mark.slow  # starts Triton with six python models: about a minute on two cores
+def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir, cluster_dirs):
+    """The probe paths answer, and every metric the rules and dashboard read is on the metrics port."""
+    import urllib.request
+
+    from pipeline.server import TritonServer, free_ports
+
+    spec = load_spec(workdir / "cpu-reference.yaml")
+    d = deploy.plan_deployment(spec, "reference")
+    files = write_files(d, cluster_dirs / "etc")
+    deploy.stage_checkpoints(files / "checkpoints.json")
+    deploy.build_in_cluster(files / "spec.yaml", "reference")
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(Path(d.values()["MODEL_REPO"]), http_port=http, grpc_port=grpc, metrics_port=metrics,
+                      startup_timeout_s=300) as server:
+        for path in ("/v2/health/ready", "/v2/health/live"):
+            assert urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=5).status == 200
+        exposed = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    exposed_names = {line.split("{")[0].split(" ")[0] for line in exposed.splitlines() if line and not line.startswith("#")}
+    dashboard = json.loads((REPO_DEPLOY / "base" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for g in deploy.prometheus_rule(d)["spec"]["groups"] for r in g["rules"]]
+    used = set().union(*map(promql_metric_names, exprs)) - {"up", deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD}
+    assert {"nv_inference_queue_duration_us", deploy.ACCEPTED_TOKENS_METRIC} <= used
+    assert used <= exposed_names
