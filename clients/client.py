@@ -95,10 +95,10 @@ ALIASES = {"seed": ("seed", "random_seed")}
 
 @dataclass
 class Delta:
-    """One response of a stream: newly generated text and the cumulative statistics reported so far."""
+    """One server response: newly generated text and the statistics it carries (the speculative BLS
+    reports them, cumulative, on the final response only)."""
 
     text: str
-    num_tokens: int | None  # tokens in this response, when the server reports num_output_tokens
     stats: dict[str, float]  # subset of STAT_OUTPUTS present in this response
     time_s: float  # seconds since the request was sent
 
@@ -108,10 +108,9 @@ class Completion:
     """A finished request: the text, token counts, acceptance statistics and timing.
 
     acceptance_rate = total_accepted_draft_tokens / total_draft_tokens (0 when nothing was drafted).
-    `response_times_s` and `response_tokens` describe every response received, in order; with
-    stream=true each response carries one speculation round's accepted tokens, so
-    `accepted_per_response` (the per-round increase of total_accepted_draft_tokens) gives the
-    accepted length of each round.
+    num_output_tokens is the server's count of generated tokens (None when it does not report one).
+    `response_times_s` lists when each non-empty response arrived: with stream=true the BLS sends
+    one response per speculation round (or per token when not speculating).
     """
 
     request_id: str
@@ -125,33 +124,23 @@ class Completion:
     ttft_s: float  # time to the first non-empty response
     latency_s: float
     response_times_s: list[float]
-    response_tokens: list[int | None]
-    accepted_per_response: list[int]
 
     @classmethod
     def from_deltas(cls, request: GenerateRequest, deltas: list[Delta], latency_s: float) -> "Completion":
         """Fold a stream's deltas (or the single response of a non-streaming call) into a Completion."""
         stats: dict[str, float] = {}
-        accepted_per_response, previous_accepted = [], 0
         for delta in deltas:
             stats.update(delta.stats)
-            accepted = int(delta.stats.get("total_accepted_draft_tokens", previous_accepted))
-            accepted_per_response.append(accepted - previous_accepted)
-            previous_accepted = accepted
-        counts = [d.num_tokens for d in deltas]
-        num_output = sum(counts) if counts and None not in counts else None
+        counts = {name: int(stats[name]) if name in stats else None for name in ("num_input_tokens", "num_output_tokens")}
         drafted = int(stats.get("total_draft_tokens", 0))
-        accepted_total = int(stats.get("total_accepted_draft_tokens", 0))
-        first = next((d.time_s for d in deltas if d.text), latency_s)
-        length_hit = num_output is not None and num_output >= request.max_tokens
-        return cls(request_id=request.request_id, text="".join(d.text for d in deltas),
-                   num_input_tokens=int(stats["num_input_tokens"]) if "num_input_tokens" in stats else None,
-                   num_output_tokens=num_output, total_draft_tokens=drafted,
-                   total_accepted_draft_tokens=accepted_total,
-                   acceptance_rate=accepted_total / drafted if drafted else 0.0,
-                   finish_reason="length" if length_hit else "stop", ttft_s=first, latency_s=latency_s,
-                   response_times_s=[d.time_s for d in deltas], response_tokens=counts,
-                   accepted_per_response=accepted_per_response)
+        accepted = int(stats.get("total_accepted_draft_tokens", 0))
+        times = [d.time_s for d in deltas if d.text]
+        length_hit = counts["num_output_tokens"] is not None and counts["num_output_tokens"] >= request.max_tokens
+        return cls(request_id=request.request_id, text="".join(d.text for d in deltas), **counts,
+                   total_draft_tokens=drafted, total_accepted_draft_tokens=accepted,
+                   acceptance_rate=accepted / drafted if drafted else 0.0,
+                   finish_reason="length" if length_hit else "stop", ttft_s=times[0] if times else latency_s,
+                   latency_s=latency_s, response_times_s=times)
 
 
 @dataclass
@@ -217,7 +206,7 @@ def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple
     result = InferResult(response)
     final = response.parameters["triton_final_response"].bool_param
     if not response.outputs:  # the empty final response
-        return Delta("", 0, {}, time.perf_counter() - start), final
+        return Delta("", {}, time.perf_counter() - start), final
     text_array = result.as_numpy("text_output")
     text = b"".join(np.asarray(text_array).reshape(-1)).decode("utf-8", "replace") if text_array is not None else ""
     stats = {}
@@ -225,8 +214,7 @@ def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple
         array = result.as_numpy(name)
         if array is not None:
             stats[name] = float(np.asarray(array).reshape(-1)[0])
-    tokens = int(stats.pop("num_output_tokens")) if "num_output_tokens" in stats else None
-    return Delta(text, tokens, stats, time.perf_counter() - start), final
+    return Delta(text, stats, time.perf_counter() - start), final
 
 
 def _grpc_error(error: grpc.RpcError, url: str, model: str) -> ClientError:
@@ -262,10 +250,9 @@ def _parse_metadata(model: str, metadata: dict) -> ModelInputs:
 
 def _http_delta(payload: dict, start: float) -> Delta:
     stats = {name: float(payload[name]) for name in STAT_OUTPUTS if name in payload}
-    tokens = int(stats.pop("num_output_tokens")) if "num_output_tokens" in stats else None
     text = payload.get("text_output", "")
     text = "".join(text) if isinstance(text, list) else text
-    return Delta(text, tokens, stats, time.perf_counter() - start)
+    return Delta(text, stats, time.perf_counter() - start)
 
 
 def _http_error(response: httpx.Response, url: str, model: str) -> ClientError:
