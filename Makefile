@@ -36,8 +36,8 @@ plan: venv
 trained-pair: venv
 	$(PY) -m pipeline.trainpair --out models/trained-pair
 
-engines: venv models
-	$(PY) -m pipeline engines $(SPEC) $(ARGS)
+engines: venv
+	PY=$(PY) bash build/engines.sh $(SPEC) $(ARGS)
 
 clean:
 	rm -rf out .cache/engines
