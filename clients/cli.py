@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from clients.chat import ChatTemplate, ChatTemplateError
-from clients.client import DEFAULT_URLS, ClientError, Completion, GenerateRequest, SamplingParams, TritonClient
+from clients.client import (DEFAULT_URLS, ClientError, Completion, GenerateRequest, SamplingParams, TritonClient,
+                            tokenizer_dir_of)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,15 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="wait for the whole answer instead of streaming")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--tokenizer", help="tokenizer directory holding the chat template (default: ChatML)")
+    p.add_argument("--tokenizer", help="tokenizer directory holding the chat template (default: the server's "
+                   "preprocessing tokenizer_dir when it exists here, else ChatML)")
     return p
 
 
-def request_from_args(args: argparse.Namespace) -> GenerateRequest:
+def chat_template_for(client: TritonClient, tokenizer: str | None) -> ChatTemplate:
+    """The chat template of `tokenizer`, else of the server's tokenizer when it is on this machine, else ChatML."""
+    if tokenizer is None:
+        tokenizer = tokenizer_dir_of(client.model_config("preprocessing"))
+        if tokenizer is None or not Path(tokenizer).is_dir():
+            return ChatTemplate()
+    return ChatTemplate.from_tokenizer_dir(tokenizer)
+
+
+def request_from_args(args: argparse.Namespace, client: TritonClient) -> GenerateRequest:
     """The GenerateRequest the arguments describe (chat template applied with --chat)."""
     prompt, stops = args.prompt, list(args.stop)
     if args.chat:
-        template = ChatTemplate.from_tokenizer_dir(args.tokenizer) if args.tokenizer else ChatTemplate()
+        template = chat_template_for(client, args.tokenizer)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
         prompt = template.render(messages)
@@ -73,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     deltas = []
     try:
-        request = request_from_args(args)
         with TritonClient(args.url, args.protocol, args.model, timeout_s=args.timeout) as client:
+            request = request_from_args(args, client)
             if args.no_stream:
                 done = client.generate(request)
                 sys.stdout.write(done.text)

@@ -242,6 +242,12 @@ def _stream_error(message: str, model: str) -> ClientError:
     return ClientError("invalid_request", f"'{model}' refused the request: {line}")
 
 
+def tokenizer_dir_of(config: dict) -> str | None:
+    """The `tokenizer_dir` parameter of a model config (preprocessing and the BLS carry one)."""
+    value = config.get("parameters", {}).get("tokenizer_dir", {}).get("string_value")
+    return value or None
+
+
 def _parse_metadata(model: str, metadata: dict) -> ModelInputs:
     return ModelInputs(model, {i["name"]: (i["datatype"], [int(d) for d in i["shape"]]) for i in metadata["inputs"]})
 
@@ -331,6 +337,21 @@ class TritonClient:
                 self._inputs = _parse_metadata(self.model, response.json())
         return self._inputs
 
+    def model_config(self, model: str) -> dict:
+        """A served model's configuration (Triton's JSON form)."""
+        try:
+            if self.protocol == "grpc":
+                reply = self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=self.timeout_s)
+                return json_format.MessageToDict(reply.config, preserving_proto_field_name=True)
+            response = self._http.get(f"/v2/models/{model}/config")
+        except grpc.RpcError as error:
+            raise _grpc_error(error, self.url, model) from None
+        except httpx.HTTPError as error:
+            raise _http_transport_error(error, self.url, model) from None
+        if response.status_code != 200:
+            raise _http_error(response, self.url, model)
+        return response.json()
+
     def generate(self, request: GenerateRequest) -> Completion:
         """Run one request without streaming (one final response) and return the Completion."""
         return self._collect(request, stream=False)
@@ -400,21 +421,27 @@ class AsyncTritonClient:
         self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
         self.url = url or DEFAULT_URLS[protocol]
         self._inputs: ModelInputs | None = None
-        if protocol == "grpc":
-            self._channel = grpc.aio.insecure_channel(self.url)
-            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
-        elif protocol == "http":
+        self._channel: grpc.aio.Channel | None = None  # created in the event loop that first uses it
+        if protocol == "http":
             self._http = httpx.AsyncClient(base_url=f"http://{self.url}", timeout=timeout_s,
                                            limits=httpx.Limits(max_connections=256))
-        else:
+        elif protocol != "grpc":
             raise ClientError("invalid_request", f"protocol '{protocol}' is not one of grpc, http")
+
+    @property
+    def _stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.url)
+            self._grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._grpc_stub
 
     async def close(self) -> None:
         """Release the connection."""
-        if self.protocol == "grpc":
-            await self._channel.close()
-        else:
+        if self.protocol == "http":
             await self._http.aclose()
+        elif self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
     async def __aenter__(self) -> "AsyncTritonClient":
         return self
@@ -441,6 +468,21 @@ class AsyncTritonClient:
                     raise _http_error(response, self.url, self.model)
                 self._inputs = _parse_metadata(self.model, response.json())
         return self._inputs
+
+    async def model_config(self, model: str) -> dict:
+        """A served model's configuration (Triton's JSON form)."""
+        try:
+            if self.protocol == "grpc":
+                reply = await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=self.timeout_s)
+                return json_format.MessageToDict(reply.config, preserving_proto_field_name=True)
+            response = await self._http.get(f"/v2/models/{model}/config")
+        except grpc.RpcError as error:
+            raise _grpc_error(error, self.url, model) from None
+        except httpx.HTTPError as error:
+            raise _http_transport_error(error, self.url, model) from None
+        if response.status_code != 200:
+            raise _http_error(response, self.url, model)
+        return response.json()
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """Run one request without streaming and return the Completion."""
