@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
+from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.reference.rejection_sampler import DraftToVerify, verify
-from pipeline.reference.tree import chain_parents, node_depths, path_to
 from pipeline.reference.sampling import SamplingParams, find_stop, make_generator, probabilities, process_logits
+from pipeline.reference.tree import chain_parents, node_depths, path_to
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]
@@ -52,38 +53,6 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab] q of the external draft (lossless)
     num_draft_tokens: int | None = None  # K for the engine's proposer (None: max_draft_len)
     return_generation_logits: bool = False
-
-
-@dataclass
-class SpecStats:
-    """Speculation counters of one request (or summed over requests)."""
-
-    draft_tokens: int = 0  # draft tokens (tree nodes) sent to verification
-    accepted_tokens: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at depth k + 1
-    target_forwards: int = 0  # target forwards that produced tokens for this request
-    generated_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Generated tokens per target forward (1.0 without speculation)."""
-        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    def add(self, other: "SpecStats") -> None:
-        """Accumulate another request's counters."""
-        self.draft_tokens += other.draft_tokens
-        self.accepted_tokens += other.accepted_tokens
-        self.target_forwards += other.target_forwards
-        self.generated_tokens += other.generated_tokens
-        for k, n in enumerate(other.accepted_by_position):
-            if k == len(self.accepted_by_position):
-                self.accepted_by_position.append(0)
-            self.accepted_by_position[k] += n
 
 
 @dataclass
@@ -199,7 +168,7 @@ class LLMEngine:
 
         config, state = load_engine(engine_dir)
         engine_config = EngineConfig.from_engine_config(config, **config_overrides)
-        model = LlamaModel(config["pretrained_config"], state, batch_invariant=engine_config.batch_invariant)
+        model = LlamaModel(config.get("pretrained_config", config), state, batch_invariant=engine_config.batch_invariant)
         return cls(model, engine_config, proposer)
 
     # ------------------------------------------------------------ requests
@@ -405,7 +374,6 @@ class LLMEngine:
             self.kv.copy_slots(self._slots(seq, path_slots), self._slots(seq, wanted_slots))
         first_row = len(sched.new_tokens) - len(draft.token_ids) - 1
         rows = [0] + [j + 1 for j in verdict.accepted_nodes]  # logits rows that produced the new tokens
-        self._count_speculation(seq, draft, verdict.num_accepted)
         if self.proposer is not None and draft.token_ids:
             self.proposer.update(req.request_id, verdict.num_accepted, len(draft.token_ids))
         if hidden is not None:
@@ -418,6 +386,8 @@ class LLMEngine:
         if keep < len(new):
             del seq.tokens[len(seq.tokens) - len(new) + keep:]
         new = new[:keep]
+        depth = max(node_depths(parents), default=0)
+        seq.stats.record_step(depth, len(draft.token_ids), verdict.num_accepted, len(new))
         seq.num_computed = min(root_index + 1 + verdict.num_accepted, len(seq.tokens) - 1)
         self.blocks.commit(seq.blocks, seq.tokens, seq.num_computed)
         gen_logits = logits[rows[:len(new)]] if req.return_generation_logits else None
@@ -432,23 +402,11 @@ class LLMEngine:
         bs = self.config.tokens_per_block
         return torch.tensor([seq.blocks.blocks[i // bs] * bs + i % bs for i in positions], dtype=torch.long)
 
-    def _count_speculation(self, seq: _Sequence, draft: Draft, num_accepted: int) -> None:
-        st = seq.stats
-        st.target_forwards += 1
-        st.draft_tokens += len(draft.token_ids)
-        st.accepted_tokens += num_accepted
-        depth = max(node_depths(draft.parents), default=0) if draft.parents else len(draft.token_ids)
-        while len(st.accepted_by_position) < depth:
-            st.accepted_by_position.append(0)
-        for k in range(num_accepted):
-            st.accepted_by_position[k] += 1
-
     def _finish(self, seq: _Sequence, new: list[int], reason: str, gen_logits: torch.Tensor | None = None,
                 error: str | None = None) -> RequestOutput:
         self.blocks.free(seq.blocks)
         if self.proposer is not None:
             self.proposer.release(seq.request.request_id)
-        seq.stats.generated_tokens = seq.num_generated
         self.stats.spec.add(seq.stats)
         return RequestOutput(seq.request.request_id, new, finished=True, finish_reason=reason, error=error,
                              generation_logits=gen_logits, stats=seq.stats)

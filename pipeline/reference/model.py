@@ -120,7 +120,7 @@ class LlamaModel(torch.nn.Module):
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head = self.embed if config["tie_word_embeddings"] or "lm_head.weight" not in state_dict else w("lm_head.weight")
-        self.final_norm = w("model.norm.weight")
+        self.final_norm = w("model.norm.weight") if "model.norm.weight" in state_dict else None  # None: EAGLE drafter
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
@@ -129,7 +129,9 @@ class LlamaModel(torch.nn.Module):
             if config.get("attention_bias") and p + "self_attn.q_proj.bias" in state_dict:
                 bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])  # [(H + 2 KVH) * D]
             self.layers.append({
-                "input_norm": w(p + "input_layernorm.weight"), "post_norm": w(p + "post_attention_layernorm.weight"),
+                # EAGLE-1/2 drafters have no input norm in their layer 0: None skips it
+                "input_norm": w(p + "input_layernorm.weight") if p + "input_layernorm.weight" in state_dict else None,
+                "post_norm": w(p + "post_attention_layernorm.weight"),
                 "qkv": qkv, "qkv_bias": bias, "o": w(p + "self_attn.o_proj.weight"),
                 "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2 I, hidden]
                 "down": w(p + "mlp.down_proj.weight"),
@@ -162,7 +164,7 @@ class LlamaModel(torch.nn.Module):
         from pipeline.reference.checkpoint import load_engine
 
         config, state = load_engine(engine_dir)
-        return cls(config["pretrained_config"], state, batch_invariant=batch_invariant)
+        return cls(config.get("pretrained_config", config), state, batch_invariant=batch_invariant)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str | None = None) -> KVCache:
         """A KV cache shaped for this model (kv_dtype "INT8" stores int8 values with per-token-head scales)."""
@@ -171,7 +173,7 @@ class LlamaModel(torch.nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the memory roofline's numerator)."""
-        tensors = [self.embed if self.lm_head is self.embed else self.lm_head, self.final_norm]
+        tensors = [self.embed if self.lm_head is self.embed else self.lm_head] + [t for t in [self.final_norm] if t is not None]
         for layer in self.layers:
             tensors += [t for t in layer.values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -194,8 +196,12 @@ class LlamaModel(torch.nn.Module):
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool = False) -> ForwardOutput:
-        """Run the new tokens of every sequence, write their KV, return logits of the requested rows."""
+    def forward(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool = False,
+                input_embeds: torch.Tensor | None = None) -> ForwardOutput:
+        """Run the new tokens of every sequence, write their KV, return logits of the requested rows.
+
+        input_embeds [T, hidden] replaces the token embeddings (EAGLE feeds fc(embedding, target feature)).
+        """
         plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
@@ -203,9 +209,9 @@ class LlamaModel(torch.nn.Module):
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, D]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
-        x = self.embed[tokens]  # [T, hidden]
+        x = self.embed[tokens] if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
+            h = self._rms_norm(x, layer["input_norm"]) if layer["input_norm"] is not None else x
             qkv = self._linear(h, layer["qkv"], layer["qkv_bias"])  # [T, (H + 2 KVH) * D]
             q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
             q = self._rope(q.view(-1, H, D), cos, sin)  # [T, H, D]
@@ -216,7 +222,7 @@ class LlamaModel(torch.nn.Module):
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)  # [T, I] each
             x = x + self._linear(F.silu(gate) * up, layer["down"])
-        hidden = self._rms_norm(x, self.final_norm)  # [T, hidden]
+        hidden = self._rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
         rows = hidden[plan.logits_index] if plan.logits_index is not None else hidden
         logits = self._linear(rows, self.lm_head).float()  # [R, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)

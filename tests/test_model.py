@@ -1,0 +1,199 @@
+"""The reference LlamaModel against transformers (fp32 logits), over paged KV, trees and ragged batches."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pipeline.reference.model import LlamaModel, SequenceInput, config_from_hf
+from pipeline.toymodels import tiny_config
+
+BLOCK = 16
+
+
+def blocks_for(first: int, num_tokens: int) -> list[int]:
+    """A block table of consecutive blocks starting at `first`, holding num_tokens."""
+    return list(range(first, first + -(-num_tokens // BLOCK)))
+
+
+def full_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Prefill ids in one forward and return the logits of every position [len(ids), vocab]."""
+    kv = model.new_kv_cache(64, BLOCK)
+    return model([SequenceInput(ids, 0, blocks_for(0, len(ids)), logits_rows=list(range(len(ids))))], kv).logits
+
+
+def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def random_ids(n: int, vocab: int = 512, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def save_random(model_cls, config, path: Path) -> Path:
+    torch.manual_seed(0)
+    model_cls(config).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A tiny random Qwen2 (q/k/v biases, untied)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("qwen2") / "m"
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama3_rope_dir(tmp_path_factory):
+    """A tiny Llama with llama3 rope scaling and an untied output layer."""
+    config = tiny_config(layers=2, tie_word_embeddings=False, head_dim=16,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    return save_random(LlamaForCausalLM, config, tmp_path_factory.mktemp("llama3") / "m")
+
+
+def test_logits_match_transformers_tied_gqa(tiny_llama):
+    ids = random_ids(40)
+    model = LlamaModel.from_hf(tiny_llama)
+    assert model.config["tie_word_embeddings"] and model.num_kv_heads < model.num_heads
+    torch.testing.assert_close(full_logits(model, ids), hf_logits(tiny_llama, ids), atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers_untied(derived_pair):
+    target, _ = derived_pair
+    ids = random_ids(33, seed=1)
+    model = LlamaModel.from_hf(target)
+    assert not model.config["tie_word_embeddings"]
+    torch.testing.assert_close(full_logits(model, ids), hf_logits(target, ids), atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers_qwen2_biases(qwen2_dir):
+    ids = random_ids(25, seed=2)
+    model = LlamaModel.from_hf(qwen2_dir)
+    assert model.layers[0]["qkv_bias"] is not None
+    torch.testing.assert_close(full_logits(model, ids), hf_logits(qwen2_dir, ids), atol=1e-4, rtol=0)
+
+
+def test_logits_match_transformers_llama3_rope_scaling(llama3_rope_dir):
+    ids = random_ids(150, seed=3)  # beyond original_max_position_embeddings, where the scaling matters
+    model = LlamaModel.from_hf(llama3_rope_dir)
+    assert model.config["rotary_scaling"]["rope_type"] == "llama3"
+    torch.testing.assert_close(full_logits(model, ids), hf_logits(llama3_rope_dir, ids), atol=1e-4, rtol=0)
+
+
+def test_cached_prefix_plus_new_tokens_equals_one_pass(tiny_llama):
+    model = LlamaModel.from_hf(tiny_llama)
+    ids = random_ids(45, seed=4)
+    ref = full_logits(model, ids)
+    kv = model.new_kv_cache(64, BLOCK)
+    table = [7, 2, 9]  # non-contiguous blocks
+    model([SequenceInput(ids[:20], 0, table[:2])], kv)
+    out = model([SequenceInput(ids[20:44], 20, table, logits_rows=list(range(24)))], kv).logits
+    step = model([SequenceInput(ids[44:], 44, table)], kv).logits
+    torch.testing.assert_close(out, ref[20:44], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step[0], ref[44], atol=1e-5, rtol=0)
+
+
+def test_tree_tokens_see_only_their_ancestors(tiny_llama):
+    """Logits of every tree node equal those of its root-to-node path run as a plain sequence."""
+    model = LlamaModel.from_hf(tiny_llama)
+    prefix = random_ids(18, seed=5)
+    tree = [11, 22, 33, 44, 55]
+    parents = [-1, -1, 0, 0, 2]  # two branches off the prefix; node 4 = 11 -> 33 -> 55
+    kv = model.new_kv_cache(64, BLOCK)
+    table = blocks_for(0, len(prefix) + len(tree))
+    model([SequenceInput(prefix, 0, table)], kv)
+    got = model([SequenceInput(tree, len(prefix), table, parents=parents, logits_rows=list(range(5)))], kv).logits
+    paths = [[11], [22], [11, 33], [11, 44], [11, 33, 55]]
+    for node, path in enumerate(paths):
+        torch.testing.assert_close(got[node], full_logits(model, prefix + path)[-1], atol=1e-5, rtol=0)
+
+
+def test_ragged_batch_is_bitwise_batch_invariant(tiny_llama):
+    """With batch_invariant, a sequence's logits do not depend on what else is in the forward."""
+    model = LlamaModel.from_hf(tiny_llama, batch_invariant=True)
+    a, b, c = random_ids(30, seed=6), random_ids(5, seed=7), random_ids(17, seed=8)
+
+    def alone(ids):
+        kv = model.new_kv_cache(64, BLOCK)
+        model([SequenceInput(ids[:-3], 0, blocks_for(0, len(ids)))], kv)
+        return model([SequenceInput(ids[-3:], len(ids) - 3, blocks_for(0, len(ids)), logits_rows=[0, 1, 2])], kv).logits
+
+    kv = model.new_kv_cache(64, BLOCK)
+    tables = [blocks_for(0, 30), blocks_for(10, 5), blocks_for(20, 17)]
+    model([SequenceInput(s[:-3], 0, t) for s, t in zip((a, b, c), tables)], kv)
+    batched = model([SequenceInput(s[-3:], len(s) - 3, t, logits_rows=[0, 1, 2]) for s, t in zip((a, b, c), tables)], kv).logits
+    assert torch.equal(batched, torch.cat([alone(a), alone(b), alone(c)]))
+
+
+def test_hidden_states_are_the_lm_head_input(tiny_llama):
+    model = LlamaModel.from_hf(tiny_llama)
+    ids = random_ids(9, seed=9)
+    out = model([SequenceInput(ids, 0, blocks_for(0, 9), logits_rows=list(range(9)))], model.new_kv_cache(8, BLOCK),
+                return_hidden=True)
+    assert out.hidden_states.shape == (9, model.hidden_size)
+    torch.testing.assert_close(out.hidden_states @ model.lm_head.T, out.logits, atol=1e-5, rtol=0)
+
+
+def test_int8_kv_cache_stays_close(tiny_llama):
+    model = LlamaModel.from_hf(tiny_llama)
+    ids = random_ids(30, seed=10)
+    ref = full_logits(model, ids)
+    kv = model.new_kv_cache(64, BLOCK, "INT8")
+    assert kv.k.dtype == torch.int8
+    got = model([SequenceInput(ids, 0, blocks_for(0, 30), logits_rows=list(range(30)))], kv).logits
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert not torch.equal(got, ref)
+
+
+def test_engine_dir_round_trip(tiny_llama, tmp_path):
+    """from_engine_dir reads the engine layout written by pipeline.reference.checkpoint."""
+    from safetensors.torch import load_file
+
+    from pipeline.reference.checkpoint import save_engine
+
+    config = {"pretrained_config": config_from_hf(json.loads((tiny_llama / "config.json").read_text())),
+              "build_config": {"max_batch_size": 2}}
+    save_engine(tmp_path / "engine", config, load_file(tiny_llama / "model.safetensors"))
+    ids = random_ids(12, seed=11)
+    torch.testing.assert_close(full_logits(LlamaModel.from_engine_dir(tmp_path / "engine"), ids),
+                               full_logits(LlamaModel.from_hf(tiny_llama), ids), atol=0, rtol=0)
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        config_from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def find_smollm2() -> Path | None:
+    """The SmolLM2-135M checkpoint `make models` extracts under models/ (any folder with its shape)."""
+    for config in sorted(Path("models").glob("**/config.json")):
+        c = json.loads(config.read_text())
+        if c.get("hidden_size") == 576 and c.get("num_hidden_layers") == 30 and c.get("vocab_size") == 49152:
+            return config.parent
+    return None
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers():
+    path = find_smollm2()
+    if path is None:
+        pytest.skip("SmolLM2-135M not found under models/: run `make models` first")
+    ids = random_ids(64, vocab=49152, seed=12)
+    torch.testing.assert_close(full_logits(LlamaModel.from_hf(path), ids), hf_logits(path, ids), atol=1e-4, rtol=0)
