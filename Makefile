@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
 
-.PHONY: venv test test-all models engines plan inspect clean
+.PHONY: venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,18 @@ trained-pair: venv
 
 engines: venv
 	PY=$(PY) bash build/engines.sh $(SPEC) $(ARGS)
+
+# Kubernetes: write each deploy/overlays/*/generated/ component from its example spec and render the
+# overlays to out/deploy/<overlay>.yaml (kubectl with kustomize); deploy-check also runs the deploy tests.
+deploy-render: venv models
+	$(PY) -m pipeline.deploy examples
+	mkdir -p out/deploy
+	for overlay in deploy/overlays/*/; do \
+	  kubectl kustomize $$overlay > out/deploy/$$(basename $$overlay).yaml || exit 1; \
+	  echo "rendered out/deploy/$$(basename $$overlay).yaml"; done
+
+deploy-check: deploy-render
+	$(PY) -m pytest tests/test_deploy.py $(ARGS)
 
 clean:
 	rm -rf out .cache/engines

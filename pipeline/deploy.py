@@ -52,6 +52,9 @@ HPA_METRIC = "triton_queue_compute_ratio"
 # Counters the tensorrt_llm_bls model exports on Triton's metrics port.
 DRAFT_TOKENS_METRIC = "spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS_METRIC = "spec_decode_accepted_tokens_total"
+# The example spec each overlay of deploy/overlays/ is rendered from by `make deploy-render`.
+EXAMPLE_SPECS = {"cpu-reference": "examples/default.yaml", "gpu-draft-target": "examples/draft-target.yaml",
+                 "gpu-medusa": "examples/medusa.yaml", "gpu-eagle": "examples/eagle.yaml"}
 # Spec fields holding a checkpoint folder, by the role name used under /models/<build-key>/.
 CHECKPOINT_FIELDS = {"target": ("models", "target"), "draft": ("models", "draft"),
                      "medusa": ("speculative", "medusa"), "eagle": ("speculative", "eagle")}
@@ -219,7 +222,9 @@ def server_command(d: Deployment) -> list[str]:
     if d.toolchain == "reference":
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
     s = d.spec.serving
-    return ["tritonserver", f"--model-repository={d.model_repo}",
+    # What TensorRT-LLM's launch_triton_server.py --multi-model --world_size=1 runs (one tritonserver
+    # under mpirun, each tensorrt_llm model spawning its tp x pp ranks), in the foreground as PID 1.
+    return ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver", f"--model-repository={d.model_repo}",
             f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}", f"--metrics-port={s.metrics_port}",
             "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=specdeploy_",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0"]
@@ -248,6 +253,8 @@ def deployment_patch(d: Deployment) -> dict:
     pod: dict = {"containers": [container]}
     if d.toolchain == "trtllm":
         container["resources"] = _gpu_resources(d.gpu_count)
+        # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
+        container["env"] = [{"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)}]
         pod["affinity"] = _gpu_affinity(d.spec.gpu.name)
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "specdeploy-triton"},
             "spec": {"template": {"spec": pod}}}
@@ -374,6 +381,18 @@ def write_component(d: Deployment, overlay: Path) -> Path:
     return dest
 
 
+def deploy_overlay(spec: Spec, overlay: Path, hf_repos: dict[str, str] | None = None) -> Deployment:
+    """Plan `spec` for `overlay` (its toolchain and namespace) and write its generated/ component."""
+    d = plan_deployment(spec, overlay_toolchain(overlay), read_kustomization(overlay).get("namespace"), hf_repos)
+    write_component(d, overlay)
+    return d
+
+
+def deploy_examples(overlays_dir: Path) -> list[Deployment]:
+    """Write every overlay's component from its example spec (EXAMPLE_SPECS)."""
+    return [deploy_overlay(load_spec(PROJECT_ROOT / spec), overlays_dir / overlay) for overlay, spec in EXAMPLE_SPECS.items()]
+
+
 # ----------------------------------------------------------------------------- in the cluster
 
 
@@ -457,21 +476,26 @@ def add_parser(subparsers) -> None:
 
 def run_deploy(args: argparse.Namespace) -> int:
     """`python -m pipeline deploy SPEC --overlay DIR`."""
-    spec = load_spec(args.spec, args.overrides)
     overlay = Path(args.overlay)
-    d = plan_deployment(spec, overlay_toolchain(overlay), read_kustomization(overlay).get("namespace"),
-                        parse_hf_repos(args.hf_repo))
-    dest = write_component(d, overlay)
-    where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
-    print(f"wrote {dest} (build key {d.build_key}, toolchain {d.toolchain}, {where})")
+    d = deploy_overlay(load_spec(args.spec, args.overrides), overlay, parse_hf_repos(args.hf_repo))
+    print(describe(d, overlay))
     print(f"next: kubectl apply -k {overlay}")
     return 0
 
 
+def describe(d: Deployment, overlay: Path) -> str:
+    """One line: what was written where."""
+    where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
+    return f"wrote {overlay / GENERATED} (spec {d.spec.name}, build key {d.build_key}, toolchain {d.toolchain}, {where})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.deploy stage CHECKPOINTS_JSON | build SPEC --toolchain T` (run by the build Job)."""
+    """`python -m pipeline.deploy stage CHECKPOINTS_JSON | build SPEC --toolchain T` (the build Job's steps),
+    or `examples` (every overlay's component from its example spec, for `make deploy-render`)."""
     parser = argparse.ArgumentParser(prog="python -m pipeline.deploy", description=main.__doc__)
     sub = parser.add_subparsers(dest="step", required=True)
+    p = sub.add_parser("examples", help="write every overlay's component from its example spec")
+    p.add_argument("--overlays", type=Path, default=PROJECT_ROOT / "deploy" / "overlays")
     p = sub.add_parser("stage", help="stage and verify the checkpoints")
     p.add_argument("manifest", type=Path)
     p = sub.add_parser("build", help="build engines and the model repository, then write READY")
@@ -479,7 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--toolchain", choices=["reference", "trtllm"], required=True)
     args = parser.parse_args(argv)
     try:
-        if args.step == "stage":
+        if args.step == "examples":
+            for overlay, d in zip(EXAMPLE_SPECS, deploy_examples(args.overlays)):
+                print(describe(d, args.overlays / overlay))
+        elif args.step == "stage":
             print("\n".join(stage_checkpoints(args.manifest)))
         else:
             print(build_in_cluster(args.spec, args.toolchain))

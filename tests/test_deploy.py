@@ -18,7 +18,7 @@ import yaml
 
 from pipeline import __version__, deploy, stack
 from pipeline.plan import make_plan
-from pipeline.spec import load_spec
+from pipeline.spec import SpecError, load_spec
 
 KUBERNETES_VERSION = "1.32"  # the schema version the manifests are validated against
 KUBECTL = shutil.which("kubectl")
@@ -78,6 +78,8 @@ gpu: {{count: 4}}
 """,
 }
 OVERLAYS = list(SPECS)
+# Each overlay with a tiny spec, and with its example spec when `make models` has made the checkpoints.
+CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +107,7 @@ def workdir(tmp_path_factory, checkpoints):
 
 def generate(root: Path, overlay: str, overrides=()) -> deploy.Deployment:
     """Run what `python -m pipeline deploy SPEC --overlay DIR` runs; returns the planned deployment."""
-    spec = load_spec(root / f"{overlay}.yaml", list(overrides))
-    folder = root / "deploy" / "overlays" / overlay
-    d = deploy.plan_deployment(spec, deploy.overlay_toolchain(folder), deploy.read_kustomization(folder).get("namespace"))
-    deploy.write_component(d, folder)
-    return d
+    return deploy.deploy_overlay(load_spec(root / f"{overlay}.yaml", list(overrides)), root / "deploy" / "overlays" / overlay)
 
 
 def kustomize(folder: Path) -> list[dict]:
@@ -119,12 +117,34 @@ def kustomize(folder: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
+class Rendered(dict):
+    """case -> (Deployment plan, rendered objects), generated and rendered on first use."""
+
+    def __init__(self, workdir: Path):
+        super().__init__()
+        self.workdir = workdir
+
+    def __missing__(self, case: str):
+        overlay, _, example = case.partition("@")
+        if example:
+            try:
+                spec = load_spec(REPO_DEPLOY.parent / deploy.EXAMPLE_SPECS[overlay])
+            except SpecError as err:
+                pytest.skip(f"example spec of {overlay} needs its checkpoints (make models): {err}")
+        else:
+            spec = load_spec(self.workdir / f"{overlay}.yaml")
+        folder = self.workdir / "deploy" / "overlays" / overlay
+        d = deploy.deploy_overlay(spec, folder)
+        self[case] = (d, kustomize(folder))
+        return self[case]
+
+
 @pytest.fixture(scope="module")
 def rendered(workdir):
-    """overlay -> (Deployment plan, rendered objects)."""
+    """case -> (Deployment plan, rendered objects)."""
     if KUBECTL is None:
         pytest.skip("kubectl (with kustomize) is not installed: overlays not rendered")
-    return {o: (d, kustomize(workdir / "deploy" / "overlays" / o)) for o in OVERLAYS for d in [generate(workdir, o)]}
+    return Rendered(workdir)
 
 
 def find(objects, kind, name=None):
@@ -163,9 +183,9 @@ def files_of(objects) -> dict:
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_renders_every_part(rendered, overlay):
-    _d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_overlay_renders_every_part(rendered, case):
+    _d, objects = rendered[case]
     kinds = {o["kind"] for o in objects}
     assert {"Namespace", "ServiceAccount", "PersistentVolumeClaim", "Job", "Deployment", "Service",
             "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule",
@@ -176,9 +196,9 @@ def test_overlay_renders_every_part(rendered, overlay):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_objects_validate_strictly_against_pinned_kubernetes_schemas(rendered, overlay):
-    _d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_objects_validate_strictly_against_pinned_kubernetes_schemas(rendered, case):
+    _d, objects = rendered[case]
     builtin = [o for o in objects if not o["apiVersion"].startswith(CRD_GROUP)]
     assert len(builtin) >= 14
     for obj in builtin:
@@ -219,10 +239,10 @@ def known_metric_names() -> set[str]:
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_monitoring_objects_structurally(rendered, overlay):
+@pytest.mark.parametrize("case", CASES)
+def test_monitoring_objects_structurally(rendered, case):
     """The Prometheus operator CRDs have no schema in kubernetes-validate: check their structure and references."""
-    d, objects = rendered[overlay]
+    d, objects = rendered[case]
     server = one(objects, "Deployment", "specdeploy-triton")
     pod_labels = server["spec"]["template"]["metadata"]["labels"]
     port_names = {p["name"] for p in container(server["spec"]["template"]["spec"], "triton")["ports"]}
@@ -288,9 +308,9 @@ def test_grafana_dashboard_has_throughput_latency_and_acceptance_panels():
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_container_has_requests_limits_and_a_restricted_security_context(rendered, overlay):
-    _d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_has_requests_limits_and_a_restricted_security_context(rendered, case):
+    _d, objects = rendered[case]
     for name, pod in pod_specs(objects):
         pod_security = pod["securityContext"]
         assert pod_security["runAsNonRoot"] is True and pod_security["seccompProfile"] == {"type": "RuntimeDefault"}, name
@@ -307,9 +327,9 @@ def test_every_container_has_requests_limits_and_a_restricted_security_context(r
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_server_probes_startup_budget_and_draining(rendered, overlay):
-    d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_server_probes_startup_budget_and_draining(rendered, case):
+    d, objects = rendered[case]
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     triton = container(pod, "triton")
     for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
@@ -331,9 +351,9 @@ def test_server_probes_startup_budget_and_draining(rendered, overlay):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_images_are_pinned(rendered, overlay):
-    d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_images_are_pinned(rendered, case):
+    d, objects = rendered[case]
     images = {c["image"] for _name, pod in pod_specs(objects) for c in containers(pod)}
     for image in images:
         name, _, tag = image.rpartition(":")
@@ -358,9 +378,9 @@ def test_an_overlay_can_pin_the_triton_image_by_digest(rendered, workdir):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_selectors_and_named_ports_reach_the_server_pods(rendered, overlay):
-    _d, objects = rendered[overlay]
+@pytest.mark.parametrize("case", CASES)
+def test_selectors_and_named_ports_reach_the_server_pods(rendered, case):
+    _d, objects = rendered[case]
     server = one(objects, "Deployment")
     labels = server["spec"]["template"]["metadata"]["labels"]
     assert set(server["spec"]["selector"]["matchLabels"].items()) <= set(labels.items())
@@ -382,10 +402,10 @@ def test_selectors_and_named_ports_reach_the_server_pods(rendered, overlay):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_values_agree_with_the_spec(rendered, overlay, workdir):
-    d, objects = rendered[overlay]
-    spec = load_spec(workdir / f"{overlay}.yaml")
+@pytest.mark.parametrize("case", CASES)
+def test_values_agree_with_the_spec(rendered, case):
+    d, objects = rendered[case]
+    spec = d.spec
     s, e = spec.serving, spec.engine
     key = make_plan(spec, d.toolchain).build_key
     values = values_of(objects)
@@ -422,7 +442,8 @@ def test_values_agree_with_the_spec(rendered, overlay, workdir):
     assert values["MODEL_REPO"].startswith(f"/engines/{key}/")
     assert '"$BUILD_DIR/READY"' in " ".join(container(server, "wait-for-engines")["command"])
     staged = json.loads(files_of(objects)["checkpoints.json"])
-    roles = {"draft_target": {"target", "draft"}, "medusa": {"target", "medusa"}, "eagle": {"target", "eagle"}}
+    roles = {"draft_target": {"target", "draft"}, "medusa": {"target", "medusa"}, "eagle": {"target", "eagle"},
+             "ngram": {"target"}, "none": {"target"}}
     assert {c["role"] for c in staged} == roles[spec.speculative.mode]
     assert all(c["dest"] == f"/models/{key}/{c['role']}" for c in staged)
 
@@ -445,11 +466,11 @@ def test_values_agree_with_the_spec(rendered, overlay, workdir):
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("gpu-")])
-def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, overlay):
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gpu-")])
+def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, case):
     from pipeline.trtllm import parse_script
 
-    d, objects = rendered[overlay]
+    d, objects = rendered[case]
     script = files_of(objects)["trtllm.sh"]
     job = one(objects, "Job", "specdeploy-engine-build")["spec"]["template"]["spec"]
     assert container(job, "trtllm-build")["command"] == ["bash", "/etc/specdeploy/trtllm.sh"]
@@ -466,10 +487,10 @@ def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(render
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_variables_in_commands_are_defined(rendered, overlay):
+@pytest.mark.parametrize("case", CASES)
+def test_variables_in_commands_are_defined(rendered, case):
     """$(VAR) is expanded by Kubernetes and $VAR by the shell: both must come from the container's environment."""
-    _d, objects = rendered[overlay]
+    _d, objects = rendered[case]
     values = set(values_of(objects))
     for name, pod in pod_specs(objects):
         for c in containers(pod):
