@@ -160,7 +160,7 @@ def image_path(local: Path) -> str | None:
         return None
 
 
-def cluster_view(spec: Spec, build_key: str, roles: list[str]) -> Spec:
+def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -> Spec:
     """The spec as the pods load it: staged checkpoints, outputs on the engines volume, all interfaces."""
     raw = to_dict(spec)
     for role in roles:
@@ -168,6 +168,7 @@ def cluster_view(spec: Spec, build_key: str, roles: list[str]) -> Spec:
         raw[section][name]["checkpoint"] = str(MODELS_MOUNT / build_key / role)
     raw["output"] = {"dir": str(ENGINES_MOUNT / build_key), "cache_dir": str(ENGINES_MOUNT / "cache")}
     raw["serving"]["host"] = "0.0.0.0"  # the pod's port, reached through the Service
+    raw["toolchain"] = toolchain
     return parse_spec(raw, base_dir=Path("/"), check_paths=False)
 
 
@@ -197,7 +198,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
         local = getattr(getattr(spec, section), name).checkpoint
         checkpoints.append(Checkpoint(role=role, local=local, cluster=str(MODELS_MOUNT / plan.build_key / role),
                                       digest=digest, image_path=image_path(local), hf_repo=hf_repos.get(role)))
-    cluster_spec = cluster_view(spec, plan.build_key, list(digests))
+    cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
     target = EngineInfo.planned(spec, "target", Path("target"))
     draft = EngineInfo.planned(spec, "draft", Path("draft")) if spec.speculative.mode == "draft_target" else None

@@ -631,3 +631,21 @@ def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir,
     used = set().union(*map(promql_metric_names, exprs)) - {"up", deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD}
     assert {"nv_inference_queue_duration_us", deploy.ACCEPTED_TOKENS_METRIC} <= used
     assert used <= exposed_names
+
+
+def test_trtllm_build_job_assembles_a_repository_serving_the_engines_its_script_links(workdir, cluster_dirs):
+    """The build container's repository points at the engine folders trtllm.sh links (the GPU step is not run here)."""
+    from pipeline.repo.validate import load_config
+
+    d = deploy.plan_deployment(load_spec(workdir / "gpu-draft-target.yaml"), "trtllm")
+    files = write_files(d, cluster_dirs / "etc")
+    deploy.stage_checkpoints(files / "checkpoints.json")
+    deploy.build_in_cluster(files / "spec.yaml", "trtllm")
+    assert (cluster_dirs / "engines" / d.build_key / deploy.READY).is_file()
+    engines_dir = re.search(r'^ENGINES_DIR="\$\{ENGINES_DIR:-(.*)\}"$', (files / "trtllm.sh").read_text(), re.M).group(1)
+    repo = Path(d.values()["MODEL_REPO"])
+    for name, role in (("tensorrt_llm", "target"), ("tensorrt_llm_draft", "draft")):
+        config = load_config(repo / name / "config.pbtxt")
+        assert config.backend == "tensorrtllm"
+        assert config.parameters["gpt_model_path"].string_value == f"{engines_dir}/{role}"
+        assert config.parameters["gpt_model_path"].string_value.startswith(d.values()["BUILD_DIR"] + "/")
