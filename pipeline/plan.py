@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
-from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec, SpecError
+from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")

@@ -154,3 +154,21 @@ def test_eagle_weights_go_into_the_target_engine(tiny_spec, derived_pair, tmp_pa
     e = config["pretrained_config"]["eagle"]
     assert (e["version"], e["num_eagle_layers"], e["hidden_size"], e["fc_bias"]) == (2, 3, 64, True)
     assert state["eagle.fc.weight"].shape == (64, 128) and state["eagle.fc.weight"].dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_smollm2_default_engine_matches_transformers(tmp_path):
+    """The real model: `models` extracts SmolLM2 (cached in models/), the default spec builds, logits match HF."""
+    from pathlib import Path
+
+    from pipeline.execute import run_engines
+    from pipeline.models import make_models
+
+    repo = Path(__file__).resolve().parents[1]
+    paths = make_models(repo / "models")
+    spec = load_spec(repo / "examples/default.yaml", [f"output.dir={tmp_path / 'out'}", f"output.cache_dir={tmp_path / 'cache'}",
+                                                      "toolchain=reference"])
+    run_engines(spec)
+    config, state = load_engine(spec.out_dir / "engines/target")
+    assert config["pretrained_config"]["num_hidden_layers"] == 30 and config["pretrained_config"]["vocab_size"] == 49152
+    assert torch.equal(hf_logits(paths["target"], state), hf_logits(paths["target"]))

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import execute
 from pipeline.execute import run_engines
 from pipeline.plan import make_plan
 from pipeline.spec import SpecError, load_spec
