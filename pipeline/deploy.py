@@ -69,7 +69,6 @@ class Checkpoint:
     """One checkpoint folder: where it is here, where the pods see it, and how the Job stages it."""
 
     role: str
-    local: Path
     cluster: str  # /models/<build-key>/<role>
     digest: str  # pipeline.plan.folder_digest, as hashed into the build key
     image_path: str | None  # the same folder inside the pipeline image, when it lies in this project
@@ -77,7 +76,7 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
-class Deployment:
+class DeployPlan:
     """Everything the manifests take from one spec, for one toolchain."""
 
     spec: Spec  # as loaded here
@@ -173,7 +172,7 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 
 
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
-                    hf_repos: dict[str, str] | None = None) -> Deployment:
+                    hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
     from pipeline.plan import Plan, make_plan
     from pipeline.repo.assemble import EngineInfo, repo_models
@@ -196,7 +195,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     for role, digest in digests.items():
         section, name = CHECKPOINT_FIELDS[role]
         local = getattr(getattr(spec, section), name).checkpoint
-        checkpoints.append(Checkpoint(role=role, local=local, cluster=str(MODELS_MOUNT / plan.build_key / role),
+        checkpoints.append(Checkpoint(role=role, cluster=str(MODELS_MOUNT / plan.build_key / role),
                                       digest=digest, image_path=image_path(local), hf_repo=hf_repos.get(role)))
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
@@ -209,7 +208,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
         from pipeline.trtllm import render_script
 
         script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
-    return Deployment(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
+    return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
                       kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)),
                       namespace=namespace, trtllm_script=script)
@@ -218,7 +217,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
 # ----------------------------------------------------------------------------- rendering
 
 
-def server_command(d: Deployment) -> list[str]:
+def server_command(d: DeployPlan) -> list[str]:
     """The Triton container's command: `pipeline serve` (reference) or tritonserver (trtllm)."""
     if d.toolchain == "reference":
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
@@ -241,7 +240,7 @@ def _gpu_affinity(product: str) -> dict:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
-def deployment_patch(d: Deployment) -> dict:
+def deployment_patch(d: DeployPlan) -> dict:
     """Strategic-merge patch of the Triton Deployment: command, port numbers, GPUs, node affinity."""
     s = d.spec.serving
     container = {
@@ -261,7 +260,7 @@ def deployment_patch(d: Deployment) -> dict:
             "spec": {"template": {"spec": pod}}}
 
 
-def service_patch(d: Deployment) -> dict:
+def service_patch(d: DeployPlan) -> dict:
     """Strategic-merge patch of the Service: the spec's port numbers."""
     s = d.spec.serving
     ports = [{"$patch": "replace"},
@@ -271,7 +270,7 @@ def service_patch(d: Deployment) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "specdeploy-triton"}, "spec": {"ports": ports}}
 
 
-def build_job_patch(d: Deployment) -> list[dict]:
+def build_job_patch(d: DeployPlan) -> list[dict]:
     """JSON patch of the engine build Job: its name (per build key), the trtllm-build step's GPUs, node affinity.
 
     A JSON patch, not a strategic merge: the latter would move the patched init container before
@@ -286,7 +285,7 @@ def build_job_patch(d: Deployment) -> list[dict]:
     return ops
 
 
-def prometheus_rule(d: Deployment) -> dict:
+def prometheus_rule(d: DeployPlan) -> dict:
     """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
     scope = f'namespace="{d.namespace}", ' if d.namespace else ""
     pods = f'{scope}pod=~"specdeploy-triton-.*"'
@@ -324,13 +323,13 @@ def prometheus_rule(d: Deployment) -> dict:
             "spec": {"groups": groups}}
 
 
-def checkpoints_manifest(d: Deployment) -> list[dict]:
+def checkpoints_manifest(d: DeployPlan) -> list[dict]:
     """checkpoints.json: what `stage` puts where, and the digest each copy must have."""
     return [{"role": c.role, "dest": c.cluster, "digest": c.digest, "image_path": c.image_path, "hf_repo": c.hf_repo}
             for c in d.checkpoints]
 
 
-def render_component(d: Deployment) -> dict[str, str]:
+def render_component(d: DeployPlan) -> dict[str, str]:
     """The files of the overlay's generated/ kustomize Component, by name."""
     triton_name, triton_tag = stack.TRITON_IMAGE.rsplit(":", 1)
     files = ["spec.yaml", "checkpoints.json"] + (["trtllm.sh"] if d.trtllm_script else [])
@@ -365,14 +364,14 @@ def render_component(d: Deployment) -> dict[str, str]:
     return out
 
 
-def trtllm_job_script(d: Deployment) -> str:
+def trtllm_job_script(d: DeployPlan) -> str:
     """The plan's build script, skipped when this build key is already complete."""
     guard = (f'if [ -f "$BUILD_DIR/{READY}" ]; then echo "engines of build key $BUILD_KEY are ready"; exit 0; fi\n')
     shebang, rest = d.trtllm_script.split("\n", 1)
     return f"{shebang}\n{guard}{rest}"
 
 
-def write_component(d: Deployment, overlay: Path) -> Path:
+def write_component(d: DeployPlan, overlay: Path) -> Path:
     """Write generated/ into `overlay`, replacing what was there; returns the folder."""
     dest = overlay / GENERATED
     shutil.rmtree(dest, ignore_errors=True)
@@ -382,14 +381,14 @@ def write_component(d: Deployment, overlay: Path) -> Path:
     return dest
 
 
-def deploy_overlay(spec: Spec, overlay: Path, hf_repos: dict[str, str] | None = None) -> Deployment:
+def deploy_overlay(spec: Spec, overlay: Path, hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan `spec` for `overlay` (its toolchain and namespace) and write its generated/ component."""
     d = plan_deployment(spec, overlay_toolchain(overlay), read_kustomization(overlay).get("namespace"), hf_repos)
     write_component(d, overlay)
     return d
 
 
-def deploy_examples(overlays_dir: Path) -> list[Deployment]:
+def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
     """Write every overlay's component from its example spec (EXAMPLE_SPECS)."""
     return [deploy_overlay(load_spec(PROJECT_ROOT / spec), overlays_dir / overlay) for overlay, spec in EXAMPLE_SPECS.items()]
 
@@ -484,7 +483,7 @@ def run_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(d: Deployment, overlay: Path) -> str:
+def describe(d: DeployPlan, overlay: Path) -> str:
     """One line: what was written where."""
     where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
     return f"wrote {overlay / GENERATED} (spec {d.spec.name}, build key {d.build_key}, toolchain {d.toolchain}, {where})"

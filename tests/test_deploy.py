@@ -105,7 +105,7 @@ def workdir(tmp_path_factory, checkpoints):
     return root
 
 
-def generate(root: Path, overlay: str, overrides=()) -> deploy.Deployment:
+def generate(root: Path, overlay: str, overrides=()) -> deploy.DeployPlan:
     """Run what `python -m pipeline deploy SPEC --overlay DIR` runs; returns the planned deployment."""
     return deploy.deploy_overlay(load_spec(root / f"{overlay}.yaml", list(overrides)), root / "deploy" / "overlays" / overlay)
 
@@ -552,7 +552,7 @@ def cluster_dirs(tmp_path, monkeypatch, checkpoints):
     return tmp_path
 
 
-def write_files(d: deploy.Deployment, folder: Path) -> Path:
+def write_files(d: deploy.DeployPlan, folder: Path) -> Path:
     """The specdeploy-files ConfigMap as the pods see it under /etc/specdeploy."""
     folder.mkdir()
     for name, text in deploy.render_component(d).items():
