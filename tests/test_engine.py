@@ -1,0 +1,294 @@
+"""LLMEngine: greedy parity with transformers, in-flight join/leave, prefix reuse, cancellation,
+sampling parameters, external draft verification, proposer hook with trees, bad inputs."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.reference.engine import EngineConfig, EngineInputError, LLMEngine, Request, SamplingParams
+from pipeline.reference.model import LlamaModel
+from pipeline.reference.proposers import Draft, NgramProposer
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return LlamaModel.from_hf(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(model, proposer=None, **overrides) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(**{"tokens_per_block": 16, "batch_invariant": True, **overrides}), proposer)
+
+
+def run(engine: LLMEngine, joins: dict[int, list[Request]]) -> dict[str, dict]:
+    """Step until done, adding joins[step] before each step; returns tokens / finish reason / outputs per request."""
+    results: dict[str, dict] = {}
+    step = 0
+    while step <= max(joins, default=0) or engine.has_unfinished():
+        for request in joins.get(step, []):
+            engine.add_request(request)
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": [], "outputs": []})
+            r["tokens"] += out.new_token_ids
+            r["outputs"].append(out)
+            if out.finished:
+                r["reason"] = out.finish_reason
+        step += 1
+    return results
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+# ------------------------------------------------------------------ greedy parity and in-flight batching
+
+def test_greedy_batch_1_equals_transformers_generate(model, hf):
+    prompt = prompts(1, seed=1)[0]
+    res = run(make_engine(model), {0: [Request("a", prompt, max_new_tokens=24)]})
+    assert res["a"]["tokens"] == hf_greedy(hf, prompt, 24)
+    assert res["a"]["reason"] == "length"
+    assert [len(o.new_token_ids) for o in res["a"]["outputs"]] == [1] * 24  # one token per step, streamed
+
+
+def test_eight_requests_joining_at_different_steps_equal_transformers(model, hf):
+    ps = prompts(8, seed=2)
+    lengths = [5, 20, 9, 14, 3, 17, 11, 8]
+    engine = make_engine(model, max_batch_size=4)
+    joins = {2 * i: [Request(str(i), p, max_new_tokens=n)] for i, (p, n) in enumerate(zip(ps, lengths))}
+    res = run(engine, joins)
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        assert res[str(i)]["tokens"] == hf_greedy(hf, p, n), f"request {i}"
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # everyone left and gave their blocks back
+
+
+def test_max_batch_size_and_chunked_prefill(model):
+    ps = prompts(5, seed=3, lo=30, hi=60)
+    ref = run(make_engine(model), {0: [Request(str(i), p, max_new_tokens=6) for i, p in enumerate(ps)]})
+    engine = make_engine(model, max_batch_size=2, max_num_tokens=16)
+    seen_batches = []
+    original = engine._schedule
+
+    def spy():
+        batch = original()
+        seen_batches.append(batch)
+        return batch
+
+    engine._schedule = spy
+    res = run(engine, {0: [Request(str(i), p, max_new_tokens=6) for i, p in enumerate(ps)]})
+    assert {k: v["tokens"] for k, v in res.items()} == {k: v["tokens"] for k, v in ref.items()}
+    assert max(len(b) for b in seen_batches) == 2
+    assert max(sum(len(s.new_tokens) for s in b) for b in seen_batches) <= 16 + 1  # decode rows may top up by one
+
+
+# ------------------------------------------------------------------ KV reuse, cancellation, preemption
+
+def test_resent_prefix_computes_only_new_tokens(model):
+    engine = make_engine(model)
+    prompt = prompts(1, seed=4, lo=40, hi=41)[0]
+    first = run(engine, {0: [Request("a", prompt, max_new_tokens=4)]})
+    sequence = prompt + first["a"]["tokens"]  # 44 tokens; the first 43 have KV: blocks 0-15 and 16-31 are full
+    before = engine.stats.computed_tokens
+    second = run(engine, {0: [Request("b", sequence + [7, 8], max_new_tokens=3)]})
+    # prefill computes 46 - 32 = 14 tokens, then 2 decode steps of 1 token
+    assert engine.stats.computed_tokens - before == 14 + 2
+    assert engine.stats.cached_prompt_tokens == 32
+    fresh = run(make_engine(model), {0: [Request("b", sequence + [7, 8], max_new_tokens=3)]})
+    assert second["b"]["tokens"] == fresh["b"]["tokens"]
+
+
+def test_cancel_frees_blocks_and_others_continue(model):
+    engine = make_engine(model)
+    ps = prompts(2, seed=5)
+    engine.add_request(Request("keep", ps[0], max_new_tokens=10))
+    engine.add_request(Request("drop", ps[1], max_new_tokens=10))
+    engine.step()
+    engine.step()
+    used = engine.blocks.num_blocks - engine.blocks.num_free
+    assert engine.cancel("drop") and not engine.cancel("unknown")
+    assert engine.blocks.num_blocks - engine.blocks.num_free < used
+    rest = run(engine, {})
+    assert rest["drop"]["reason"] == "cancelled" and rest["drop"]["tokens"] == []
+    alone = run(make_engine(model), {0: [Request("keep", ps[0], max_new_tokens=10)]})
+    assert alone["keep"]["tokens"][2:] == rest["keep"]["tokens"]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_preemption_when_blocks_run_out_keeps_outputs(model):
+    ps = prompts(4, seed=6, lo=20, hi=30)
+    joins = {0: [Request(str(i), p, max_new_tokens=20) for i, p in enumerate(ps)]}
+    ref = run(make_engine(model), joins)
+    tight = make_engine(model, num_blocks=8)  # 4 requests of up to 50 tokens need 16 blocks
+    res = run(tight, {0: [Request(str(i), p, max_new_tokens=20) for i, p in enumerate(ps)]})
+    assert tight.stats.preemptions > 0
+    assert {k: v["tokens"] for k, v in res.items()} == {k: v["tokens"] for k, v in ref.items()}
+
+
+# ------------------------------------------------------------------ sampling parameters
+
+def generate(model, prompt, n=12, **sampling):
+    res = run(make_engine(model), {0: [Request("r", prompt, max_new_tokens=n, sampling=SamplingParams(**sampling))]})
+    return res["r"]["tokens"], res["r"]["reason"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model):
+    prompt = prompts(1, seed=7)[0]
+    a, _ = generate(model, prompt, temperature=1.0, seed=123)
+    b, _ = generate(model, prompt, temperature=1.0, seed=123)
+    c, _ = generate(model, prompt, temperature=1.0, seed=321)
+    assert a == b and a != c
+    crowd = [Request(f"x{i}", p, 12, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts(3, seed=8))]
+    res = run(make_engine(model), {0: crowd, 1: [Request("r", prompt, 12, SamplingParams(temperature=1.0, seed=123))]})
+    assert res["r"]["tokens"] == a
+
+
+def test_top_k_1_equals_greedy(model):
+    prompt = prompts(1, seed=9)[0]
+    assert generate(model, prompt, temperature=1.5, top_k=1, seed=5)[0] == generate(model, prompt)[0]
+
+
+def test_top_p_tiny_equals_greedy(model):
+    prompt = prompts(1, seed=9)[0]
+    assert generate(model, prompt, temperature=1.0, top_p=1e-6, seed=5)[0] == generate(model, prompt)[0]
+
+
+def test_penalties_change_greedy_output(model):
+    prompt = prompts(1, seed=10)[0]
+    plain, _ = generate(model, prompt, n=30)
+    assert len(set(plain)) < 30  # the random model repeats itself ...
+    for penalty in ({"repetition_penalty": 5.0}, {"presence_penalty": 100.0}, {"frequency_penalty": 100.0}):
+        penalised, _ = generate(model, prompt, n=30, **penalty)
+        assert penalised != plain, penalty
+    no_repeats, _ = generate(model, prompt, n=30, presence_penalty=1e4)  # ... and stops once any repeat costs 1e4
+    assert len(set(no_repeats)) == 30
+
+
+def test_stop_words_end_id_min_length_bad_words(model):
+    prompt = prompts(1, seed=11)[0]
+    plain, _ = generate(model, prompt, n=20)
+    stop = plain[5:7]
+    tokens, reason = generate(model, prompt, n=20, stop_words=[[1, 2, 3], stop])
+    first = next(i for i in range(1, 20) if plain[i - 1:i + 1] == stop)
+    assert reason == "stop" and tokens == plain[:first + 1]
+    tokens, reason = generate(model, prompt, n=20, end_id=plain[4])
+    assert reason == "end_id" and tokens == plain[:plain.index(plain[4])]
+    tokens, _ = generate(model, prompt, n=20, end_id=plain[0], min_length=3)
+    assert tokens[:3] != plain[:3] and plain[0] not in tokens[:3]
+    tokens, _ = generate(model, prompt, n=20, bad_words=[[plain[0]], plain[2:4]])
+    assert tokens[0] != plain[0]
+    assert all(tokens[i:i + 2] != plain[2:4] for i in range(19))
+
+
+# ------------------------------------------------------------------ speculative verification through the engine
+
+def test_external_draft_tokens_greedy(model):
+    prompt = prompts(1, seed=12)[0]
+    plain, _ = generate(model, prompt, n=6)
+    engine = make_engine(model, max_draft_len=5)
+    good = Request("good", prompt, max_new_tokens=6, draft_tokens=plain[:5], return_generation_logits=True)
+    bad = Request("bad", prompt, max_new_tokens=6, draft_tokens=plain[:2] + [(plain[2] + 1) % VOCAB, plain[3]])
+    res = run(engine, {0: [good, bad]})
+    assert res["good"]["tokens"] == plain[:6] and res["good"]["reason"] == "length"
+    assert res["bad"]["tokens"] == plain[:3]  # two accepted, then the target's own token
+    assert res["good"]["outputs"][-1].stats.accepted_tokens == 5
+    logits = res["good"]["outputs"][-1].generation_logits
+    assert logits.shape == (6, VOCAB) and logits.argmax(-1).tolist() == plain[:6]
+    assert engine.stats.computed_tokens == 2 * len(prompt) + 5 + 4  # one forward verified both drafts
+
+
+def test_external_draft_with_probs_uses_lossless_sampling(model):
+    prompt = prompts(1, seed=13)[0]
+    q = torch.full((3, VOCAB), 1.0 / VOCAB)
+    req = Request("s", prompt, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=1),
+                  draft_tokens=[1, 2, 3], draft_probs=q)
+    a = run(make_engine(model, max_draft_len=3), {0: [req]})["s"]
+    b = run(make_engine(model, max_draft_len=3), {0: [req]})["s"]
+    assert a["tokens"] == b["tokens"] and 1 <= len(a["tokens"]) <= 4
+
+
+class PathTreeProposer:
+    """Test proposer: a wrong first branch, then the n-gram continuation as a chain under a second root child."""
+
+    needs_hidden_states = True
+
+    def __init__(self):
+        self.hidden_rows = []
+
+    def propose(self, inputs):
+        drafts = []
+        for inp in inputs:
+            self.hidden_rows.append(inp.hidden_states.shape[0])
+            guess = NgramProposer().lookup(inp.token_ids, 3)
+            if not guess or inp.num_tokens < len(guess) + 1:
+                drafts.append(Draft([]))
+                continue
+            drafts.append(Draft([(guess[0] + 1) % VOCAB] + guess, parents=[-1, -1] + list(range(1, len(guess)))))
+        return drafts
+
+    def update(self, request_id, num_accepted, num_proposed):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def test_proposer_tree_drafts_equal_plain_greedy(model):
+    """Tree verification (with KV compaction of the accepted path) gives plain greedy tokens, in fewer forwards."""
+    ps = [p * 3 for p in prompts(6, seed=14, lo=4, hi=12)]  # repetitive prompts: prompt lookup hits
+    joins = {i: [Request(str(i), p, max_new_tokens=25)] for i, p in enumerate(ps)}
+    plain = run(make_engine(model), joins)
+    proposer = PathTreeProposer()
+    engine = make_engine(model, proposer, max_draft_len=5)
+    spec = run(engine, {i: [Request(str(i), p, max_new_tokens=25)] for i, p in enumerate(ps)})
+    assert {k: v["tokens"] for k, v in spec.items()} == {k: v["tokens"] for k, v in plain.items()}
+    assert engine.stats.spec.accepted_tokens > 0 and engine.stats.spec.tokens_per_forward > 1.0
+    assert max(proposer.hidden_rows) >= min(len(p) for p in ps)  # after prefill: the prompt rows
+
+
+# ------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("field, request_kwargs", [
+    ("prompt_ids", {"prompt_ids": []}),
+    ("prompt_ids", {"prompt_ids": [1] * 65}),
+    ("prompt_ids", {"prompt_ids": [1, VOCAB]}),
+    ("prompt_ids", {"prompt_ids": [-1, 2]}),
+    ("max_new_tokens", {"max_new_tokens": 0}),
+    ("max_new_tokens", {"max_new_tokens": 200}),
+    ("num_draft_tokens", {"num_draft_tokens": 4}),
+    ("draft_tokens", {"draft_tokens": [1, 2, 3, 4]}),
+    ("draft_tokens", {"draft_tokens": [VOCAB]}),
+    ("draft_probs", {"draft_tokens": [1, 2], "draft_probs": torch.ones(3, VOCAB) / VOCAB}),
+    ("sampling.top_p", {"sampling": SamplingParams(top_p=0.0)}),
+    ("sampling.temperature", {"sampling": SamplingParams(temperature=-1.0)}),
+    ("sampling.stop_words", {"sampling": SamplingParams(stop_words=[[]])}),
+])
+def test_bad_input_is_refused_and_others_keep_running(model, field, request_kwargs):
+    engine = make_engine(model, max_input_len=64, max_seq_len=128, max_draft_len=3)
+    good = prompts(1, seed=15)[0]
+    engine.add_request(Request("good", good, max_new_tokens=8))
+    engine.step()
+    with pytest.raises(EngineInputError) as err:
+        engine.add_request(Request("bad", **{"prompt_ids": [1, 2, 3], "max_new_tokens": 4, **request_kwargs}))
+    assert err.value.field == field and str(err.value).startswith(field + ": ")
+    rest = run(engine, {})
+    alone = run(make_engine(model), {0: [Request("good", good, max_new_tokens=8)]})
+    assert list(rest) == ["good"] and alone["good"]["tokens"][1:] == rest["good"]["tokens"]
+
+
+def test_duplicate_request_id_is_refused(model):
+    engine = make_engine(model)
+    engine.add_request(Request("same", [1, 2, 3]))
+    with pytest.raises(EngineInputError, match="request_id"):
+        engine.add_request(Request("same", [4, 5]))
