@@ -611,6 +611,7 @@ def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir,
     """The probe paths answer, and every metric the rules and dashboard read is on the metrics port."""
     import urllib.request
 
+    from clients.bench import main as bench_main
     from pipeline.server import TritonServer, free_ports
 
     spec = load_spec(workdir / "cpu-reference.yaml")
@@ -623,6 +624,16 @@ def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir,
                       startup_timeout_s=300) as server:
         for path in ("/v2/health/ready", "/v2/health/live"):
             assert urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=5).status == 200
+        # the benchmark Job's command, against this server instead of the Service, with a one-cell sweep
+        job = yaml.safe_load((REPO_DEPLOY / "base" / "bench-job.yaml").read_text())
+        (bench,) = job["spec"]["template"]["spec"]["containers"]
+        assert bench["command"] == ["python", "-m", "clients.bench"]
+        args = [a.replace("specdeploy-triton", "127.0.0.1").replace("$(GRPC_PORT)", str(grpc))
+                .replace("$(METRICS_PORT)", str(metrics)).replace("/tmp/bench", str(cluster_dirs / "bench"))
+                for a in bench["args"]]
+        sweep = ["--prompts", "chat", "--concurrency", "1", "--k", "0,2", "--requests", "1", "--max-tokens", "4"]
+        assert bench_main(args + sweep) == 0
+        assert json.loads((cluster_dirs / "bench" / "bench.json").read_text())
         exposed = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     exposed_names = {line.split("{")[0].split(" ")[0] for line in exposed.splitlines() if line and not line.startswith("#")}
     dashboard = json.loads((REPO_DEPLOY / "base" / "grafana-dashboard.json").read_text())
