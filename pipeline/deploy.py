@@ -287,8 +287,8 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
 
 def prometheus_rule(d: DeployPlan) -> dict:
     """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
-    scope = f'namespace="{d.namespace}", ' if d.namespace else ""
-    pods = f'{scope}pod=~"specdeploy-triton-.*"'
+    namespace = f'namespace="{d.namespace}"' if d.namespace else ""
+    pods = ", ".join(filter(None, [namespace, 'pod=~"specdeploy-triton-.*"']))
     queue = f'rate(nv_inference_queue_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     compute = f'rate(nv_inference_compute_infer_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     accepted = f"rate({ACCEPTED_TOKENS_METRIC}{{{pods}}}[5m])"
@@ -304,7 +304,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
     if d.spec.speculative.mode != "none":
         alerts.append({
             "alert": "SpeculativeAcceptanceCollapsed",
-            "expr": f"{ACCEPTANCE_RECORD}{{{scope.rstrip(', ')}}} < {threshold}",
+            "expr": f"{ACCEPTANCE_RECORD}{{{namespace}}} < {threshold}" if namespace else f"{ACCEPTANCE_RECORD} < {threshold}",
             "for": "15m",
             "labels": {"severity": "warning"},
             "annotations": {
@@ -333,9 +333,8 @@ def render_component(d: DeployPlan) -> dict[str, str]:
     """The files of the overlay's generated/ kustomize Component, by name."""
     triton_name, triton_tag = stack.TRITON_IMAGE.rsplit(":", 1)
     files = ["spec.yaml", "checkpoints.json"] + (["trtllm.sh"] if d.trtllm_script else [])
-    patches = [{"path": "triton-deployment.yaml"}, {"path": "triton-service.yaml"}]
-    # Job templates are immutable: each build key gets its own Job.
-    patches.append({"path": "engine-build-job.yaml", "target": {"kind": "Job", "name": "specdeploy-engine-build"}})
+    patches = [{"path": "triton-deployment.yaml"}, {"path": "triton-service.yaml"},
+               {"path": "engine-build-job.yaml", "target": {"kind": "Job", "name": "specdeploy-engine-build"}}]
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1alpha1",
         "kind": "Component",
