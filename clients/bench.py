@@ -208,7 +208,8 @@ async def run_cell(client: AsyncTritonClient, requests: list[GenerateRequest], c
             template = requests[i % len(requests)]
             request = GenerateRequest(**{**vars(template), "request_id": ""})
             try:
-                records.append(request_record(await client.stream_completion(request)))
+                records.append({"prompt_index": i % len(requests),
+                                **request_record(await client.stream_completion(request))})
             except ClientError as exc:
                 if exc.kind == "unavailable":
                     raise

@@ -1,0 +1,138 @@
+"""The serving benchmark against the real Triton server for a few seconds: every number present and consistent."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clients.bench import BenchConfig, PromptSet, compare, run_bench, write_report
+from clients.client import ClientError
+from pipeline.server import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 12  # >= min_new_tokens_for_speculation (8), short enough for the draft's 64-token limit
+CONCURRENCY = [1, 2]
+KS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def report(triton_server, tmp_path_factory):
+    """One small sweep: 1 prompt set x C 1,2 x K 0,2, 2 requests per cell (a few seconds)."""
+    folder = tmp_path_factory.mktemp("bench")
+    prompts = folder / "tiny.jsonl"
+    prompts.write_text("\n".join(json.dumps(item) for item in (
+        {"prompt": "The class statement creates"},
+        {"prompt": "A function definition defines", "max_tokens": 10},
+        {"messages": [{"role": "user", "content": "hello"}]},
+    )) + "\n")
+    cfg = BenchConfig(url=triton_server.grpc_url, prompt_sets=[str(prompts)], concurrency=CONCURRENCY, ks=KS,
+                      requests_per_cell=2, max_tokens=MAX_TOKENS, metrics_url=triton_server.metrics_url)
+    result = asyncio.run(run_bench(cfg, show_progress=False))
+    paths = write_report(result, folder / "out")
+    return result, paths
+
+
+def cells(result, **match):
+    return [c for c in result["cells"] if all(c[k] == v for k, v in match.items())]
+
+
+def test_every_cell_ran_and_counts_add_up(report):
+    result, _ = report
+    assert [(c["concurrency"], c["k"]) for c in result["cells"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    for c in result["cells"]:
+        assert c["prompt_set"] == "tiny" and c["errors"] == 0
+        assert c["requests"] == len(c["records"]) == max(2, c["concurrency"])
+        counted = [r["num_output_tokens"] for r in c["records"]]
+        assert all(0 < n <= MAX_TOKENS for n in counted)
+        assert c["output_tokens"] == sum(counted)  # tokens counted = tokens the server says it sent
+        assert c["output_tokens_per_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+        assert c["requests_per_s"] == pytest.approx(c["requests"] / c["wall_s"])
+        assert c["responses"] >= c["requests"] and all(r["text_chars"] > 0 for r in c["records"])
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
+            p = c[metric]
+            assert None not in p.values() and 0 < p["p50"] <= p["p90"] <= p["p99"], metric
+        assert c["ttft_ms"]["p50"] <= c["latency_ms"]["p50"]
+
+
+def test_speculation_off_cells(report):
+    result, _ = report
+    for c in cells(result, k=0):
+        assert c["total_draft_tokens"] == 0 and c["acceptance_rate"] is None and c["speedup"] == 1.0
+        assert c["server_draft_tokens"] == 0 and c["mean_accepted_length"] is None
+
+
+def test_acceptance_matches_the_server_counters(report):
+    result, _ = report
+    for c in cells(result, k=2):
+        drafted, accepted = c["total_draft_tokens"], c["total_accepted_draft_tokens"]
+        assert drafted > 0 and c["acceptance_rate"] == pytest.approx(accepted / drafted)
+        # per-request outputs summed by the client == the BLS's Prometheus counters over the cell
+        assert (c["server_draft_tokens"], c["server_accepted_tokens"]) == (drafted, accepted)
+        assert c["rounds_source"] == "server" and drafted <= 2 * c["rounds"]
+        assert c["mean_accepted_length"] == pytest.approx(1 + accepted / c["rounds"])
+        by_position = c["acceptance_by_position"]
+        assert len(by_position) == 2 and 1 >= by_position[0] >= by_position[1] >= 0
+        assert sum(by_position) * c["rounds"] == pytest.approx(accepted)  # each accepted token has one position
+        assert c["speedup"] == pytest.approx(
+            c["output_tokens_per_s"] / cells(result, k=0, concurrency=c["concurrency"])[0]["output_tokens_per_s"])
+
+
+def test_speculation_is_lossless_in_the_bench(report):
+    result, _ = report
+    by_k = {k: {r["prompt_index"]: (r["num_output_tokens"], r["text_chars"]) for c in cells(result, k=k)
+                for r in c["records"]} for k in KS}
+    assert by_k[0] == by_k[2] and len(by_k[0]) == 2
+
+
+def test_report_files_and_recommendations(report):
+    result, paths = report
+    names = sorted(p.name for p in paths)
+    assert names == ["acceptance_by_position.png", "bench.json", "bench.md", "latency_vs_concurrency.png",
+                     "speedup_vs_k.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert json.loads(paths[0].parent.joinpath("bench.json").read_text())["cells"] == json.loads(json.dumps(result["cells"]))
+    markdown = paths[0].parent.joinpath("bench.md").read_text()
+    assert markdown.count("\n| tiny |") == len(result["cells"]) + len(CONCURRENCY)
+    recs = result["recommendations"]
+    assert [(r["prompt_set"], r["concurrency"]) for r in recs] == [("tiny", 1), ("tiny", 2)]
+    for r in recs:
+        best = max(cells(result, concurrency=r["concurrency"]), key=lambda c: c["output_tokens_per_s"])
+        assert r["k"] == (best["k"] if best["speedup"] >= 1.02 else 0)
+
+
+def test_compare_side_by_side(report, tmp_path):
+    result, paths = report
+    other = json.loads(json.dumps(result))
+    for c in other["cells"]:
+        c["output_tokens_per_s"] *= 2
+    table = compare(result, other)
+    rows = [line for line in table.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 4 and all("| 2.00 |" in row for row in rows)
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps(other))
+    out = subprocess.run([sys.executable, "-m", "clients.bench", "compare", str(paths[0].parent / "bench.json"), str(b)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("| tiny |") == 4
+
+
+def test_bench_errors_are_one_line(tmp_path):
+    (port,) = free_ports(1)
+    out = subprocess.run([sys.executable, "-m", "clients.bench", "run", "--url", f"127.0.0.1:{port}", "--out",
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("error: cannot reach Triton") and out.stderr.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ClientError, match="bad.jsonl:1: needs a 'prompt' or 'messages' field"):
+        PromptSet.load(str(bad))
+    with pytest.raises(ClientError, match="neither a built-in set"):
+        PromptSet.load("no-such-set")
+
+
+def test_builtin_prompt_sets_load():
+    for name in ("chat", "code", "summarize"):
+        prompt_set = PromptSet.load(name)
+        assert prompt_set.name == name and len(prompt_set.items) >= 8
+        assert all(item["messages"][0]["content"] for item in prompt_set.items)
