@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
 
-.PHONY: venv test test-all models engines plan inspect clean deploy-render deploy-check
+.PHONY: bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -50,6 +50,16 @@ deploy-render: venv models
 
 deploy-check: deploy-render
 	$(PY) -m pytest tests/test_deploy.py $(ARGS)
+
+# Load test against the running server (`make serve` in another terminal): sweeps concurrency x K and
+# writes out/bench/{bench.json,bench.md,*.png}. ARGS="--full" for concurrency 1,4,8,16 x K 0..8.
+bench: venv
+	$(PY) -m pipeline bench $(SPEC) $(ARGS)
+
+# OpenAI-compatible API on http://127.0.0.1:$(OPENAI_PORT)/v1 in front of the running server's gRPC port.
+OPENAI_PORT ?= 9000
+openai: venv
+	$(PY) -m clients.openai_server --triton-url 127.0.0.1:8001 --port $(OPENAI_PORT) $(ARGS)
 
 clean:
 	rm -rf out .cache/engines

@@ -40,13 +40,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from clients.bench_args import (BUILTIN_SETS, DEFAULT_CONCURRENCY, DEFAULT_KS, FULL_CONCURRENCY, FULL_KS,
+                                add_run_arguments)
 from clients.chat import ChatTemplate
 from clients.client import AsyncTritonClient, ClientError, Completion, GenerateRequest, SamplingParams, tokenizer_dir_of
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
-BUILTIN_SETS = ("chat", "code", "summarize")
-DEFAULT_CONCURRENCY, FULL_CONCURRENCY = (1, 4), (1, 4, 8, 16)
-DEFAULT_KS, FULL_KS = (0, 2, 4), tuple(range(9))
 PERCENTILES = (50, 90, 99)
 METRIC_RE = re.compile(r'^(spec_decode_\w+?)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$')
 SPEEDUP_MARGIN = 1.02  # a K must beat K=0 by this factor to be recommended
@@ -422,30 +421,6 @@ def compare(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of `bench run` (shared with `python -m pipeline bench SPEC`)."""
-    p.add_argument("--prompts", default=",".join(BUILTIN_SETS),
-                   help="comma-separated built-in sets (chat, code, summarize) and/or JSONL files")
-    p.add_argument("--concurrency", type=_ints, help=f"default {','.join(map(str, DEFAULT_CONCURRENCY))}")
-    p.add_argument("--k", type=_ints, help=f"draft tokens per round to sweep (0 = off); default {','.join(map(str, DEFAULT_KS))}")
-    p.add_argument("--full", action="store_true", help="full sweep: concurrency 1,4,8,16 and K 0..8")
-    p.add_argument("--requests", type=int, default=8, help="requests per cell (at least the concurrency)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--model", default="ensemble")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    p.add_argument("--tokenizer", help="tokenizer directory for the chat template (default: the server's)")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--out", type=Path, default=Path("out/bench"))
-
-
 def config_from_args(args: argparse.Namespace, url: str, metrics_url: str | None) -> BenchConfig:
     """A BenchConfig from parsed `run` arguments."""
     return BenchConfig(url=url, protocol=args.protocol, model=args.model,
@@ -492,26 +467,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     metrics_url = args.metrics_url or f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
     return run_and_report(config_from_args(args, args.url, metrics_url), args.out)
-
-
-def add_parser(subparsers) -> None:
-    """Register `python -m pipeline bench SPEC`: the sweep against the spec's server (ports from the spec)."""
-    from pipeline.cli import add_spec_arguments
-
-    p = subparsers.add_parser("bench", help="load-test the running server (TTFT, TPOT, acceptance, speedup vs K)")
-    add_spec_arguments(p)
-    add_run_arguments(p)
-    p.set_defaults(func=_run_for_spec)
-
-
-def _run_for_spec(args: argparse.Namespace) -> int:
-    from pipeline.cli import spec_from_args
-
-    spec = spec_from_args(args, check_paths=False)
-    s = spec.serving
-    port = s.grpc_port if args.protocol == "grpc" else s.http_port
-    return run_and_report(config_from_args(args, f"{s.host}:{port}", f"http://{s.host}:{s.metrics_port}/metrics"),
-                          args.out)
 
 
 if __name__ == "__main__":
