@@ -1,0 +1,102 @@
+"""EngineRunner: concurrent submitters batch in flight, cancel, bad input, failing steps, close."""
+
+import queue
+import threading
+
+import pytest
+
+from pipeline.reference.engine import EngineConfig, EngineInputError, LLMEngine, Request
+from pipeline.reference.model import LlamaModel
+from pipeline.reference.proposers import Draft
+from pipeline.reference.runner import EngineRunner
+from tests.test_engine import prompts, run
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return LlamaModel.from_hf(tiny_llama)
+
+
+def engine_for(model, proposer=None, **overrides) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(**{"tokens_per_block": 16, "batch_invariant": True, **overrides}), proposer)
+
+
+def drain(q: queue.Queue, timeout: float = 60.0) -> tuple[list[int], str, str | None]:
+    """Read one request's outputs until the final one: (tokens, finish_reason, error)."""
+    tokens = []
+    while True:
+        out = q.get(timeout=timeout)
+        tokens += out.new_token_ids
+        if out.finished:
+            return tokens, out.finish_reason, out.error
+
+
+def test_concurrent_submitters_are_batched_and_exact(model):
+    ps = prompts(6, seed=20)
+    expected = run(engine_for(model), {0: [Request(str(i), p, max_new_tokens=12) for i, p in enumerate(ps)]})
+    engine = engine_for(model)
+    runner = EngineRunner(engine)
+    results = {}
+
+    def client(i):
+        results[str(i)] = drain(runner.submit(Request(str(i), ps[i], max_new_tokens=12)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runner.close()
+    assert {k: v[0] for k, v in results.items()} == {k: v["tokens"] for k, v in expected.items()}
+    assert all(reason == "length" for _, reason, _ in results.values())
+    assert engine.stats.steps < 6 * 12  # requests shared steps
+
+
+def test_cancel_bad_input_and_close(model):
+    runner = EngineRunner(engine_for(model, max_input_len=64))
+    long = runner.submit(Request("long", prompts(1, seed=21)[0], max_new_tokens=500))
+    assert long.get(timeout=60).new_token_ids  # running
+    with pytest.raises(EngineInputError, match="prompt_ids"):
+        runner.submit(Request("bad", [], max_new_tokens=4))
+    with pytest.raises(EngineInputError, match="request_id"):
+        runner.submit(Request("long", [1, 2], max_new_tokens=4))
+    assert runner.cancel("long") and not runner.cancel("nobody")
+    assert drain(long)[1] == "cancelled"
+    ok = drain(runner.submit(Request("ok", [1, 2, 3], max_new_tokens=3)))
+    assert len(ok[0]) == 3 and ok[1] == "length"
+    pending = runner.submit(Request("pending", [4, 5, 6], max_new_tokens=500))
+    runner.close()
+    assert drain(pending)[1] == "cancelled"
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit(Request("late", [1], max_new_tokens=1))
+
+
+class FailsOnceProposer:
+    """A proposer that raises on its first call, as a buggy drafter would."""
+
+    needs_hidden_states = False
+
+    def __init__(self):
+        self.failed = False
+
+    def propose(self, inputs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("draft model crashed")
+        return [Draft([]) for _ in inputs]
+
+    def update(self, request_id, num_accepted, num_proposed):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def test_failing_step_errors_its_requests_and_runner_keeps_serving(model):
+    runner = EngineRunner(engine_for(model, FailsOnceProposer(), max_draft_len=2))
+    first = runner.submit(Request("first", [1, 2, 3], max_new_tokens=5))
+    tokens, reason, error = drain(first)
+    assert reason == "error" and "draft model crashed" in error
+    second = drain(runner.submit(Request("second", [1, 2, 3], max_new_tokens=5)))
+    assert second[1] == "length" and len(second[0]) == 5
+    runner.close()
