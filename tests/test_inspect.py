@@ -164,3 +164,14 @@ def test_models_that_cannot_fit_are_an_error(spec_file):
 def test_kv_fraction_too_small_for_one_sequence(spec_file):
     err = inspect_error(spec_file, "serving.kv_cache_free_gpu_mem_fraction.target=0.0000001")
     assert err.path == "serving.kv_cache_free_gpu_mem_fraction.target"
+
+
+def test_truncated_draft_is_compatible_by_construction(spec_file, derived_pair, tmp_path):
+    from pipeline.models import make_truncated_draft
+
+    draft = make_truncated_draft(derived_pair[0], tmp_path / "draft-l2", num_layers=2)
+    report = inspect_spec(load_spec(spec_file, [f"models.draft.checkpoint={draft}"]))
+    assert report.models["draft"].num_layers == 2 and not report.warnings
+    names = safetensors_header(draft / "model.safetensors")
+    assert "model.layers.1.mlp.up_proj.weight" in names and "model.layers.2.mlp.up_proj.weight" not in names
+    assert make_truncated_draft(derived_pair[0], tmp_path / "draft-l2", num_layers=2) == draft  # cached: no rework
