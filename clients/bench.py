@@ -61,8 +61,8 @@ class BenchConfig:
     prompt_sets: list[str] = field(default_factory=lambda: list(BUILTIN_SETS))
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
-    requests_per_cell: int = 8  # at least `concurrency` requests run per cell
-    max_tokens: int = 48
+    requests_per_cell: int = 4  # at least `concurrency` requests run per cell
+    max_tokens: int = 32
     temperature: float = 0.0
     seed: int = 0
     metrics_url: str | None = None  # Triton's /metrics, for acceptance by position
@@ -342,7 +342,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"C={conc}")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set(title=name, xlabel="K (draft tokens per round)", ylabel="speedup vs K=0 (output tok/s)")
+        ax.set(title=name, xlabel="K (draft tokens per round)", ylabel="speedup vs K=0 (output tok/s)", xticks=ks)
         ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / "speedup_vs_k.png"))
 
@@ -355,7 +355,8 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
                 continue
             rates = [sum(c["acceptance_by_position"][p] * c["rounds"] for c in group) / rounds for p in range(k)]
             ax.plot(range(1, k + 1), rates, marker="o", label=f"K={k}")
-        ax.set(title=name, xlabel="draft position", ylabel="accepted per round", ylim=(0, 1.05))
+        ax.set(title=name, xlabel="draft position", ylabel="accepted per round", ylim=(0, 1.05),
+               xticks=range(1, max(ks) + 1))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         else:
@@ -364,14 +365,14 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
-        for k in ks:
+        for k, color in zip(ks, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3):
             for p, style in zip(PERCENTILES, ("-", "--", ":")):
                 ys = []
                 for conc in concurrencies:
                     values = [r[metric] for c in cells if c["k"] == k and c["concurrency"] == conc
                               for r in c["records"] if r[metric] is not None]
                     ys.append(np.percentile(values, p) * 1000 if values else np.nan)
-                ax.plot(concurrencies, ys, ls=style, marker="o", ms=3, label=f"K={k} p{p}")
+                ax.plot(concurrencies, ys, ls=style, color=color, marker="o", ms=3, label=f"K={k} p{p}")
         ax.set(title=f"{title} (all prompt sets)", xlabel="concurrency", ylabel="ms", xticks=concurrencies)
         ax.legend(fontsize=6, ncol=2)
     paths.append(_save(fig, out_dir / "latency_vs_concurrency.png"))
