@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -650,23 +651,41 @@ def test_stage_without_a_source_says_how_to_provide_one(workdir, cluster_dirs, m
 
 
 @pytest.mark.slow  # starts Triton with six python models: about a minute on two cores
-def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir, cluster_dirs):
-    """The probe paths answer, and every metric the rules and dashboard read is on the metrics port."""
+def test_server_pod_command_serves_probes_metrics_and_the_benchmark_then_drains_on_sigterm(workdir, cluster_dirs):
+    """The Triton container's own command on the build Job's output: probe paths answer, the benchmark
+    Job's command runs against it, every metric the rules and dashboard read is exposed, and SIGTERM
+    (what the kubelet sends after preStop) stops it well within the grace period."""
+    import os
+    import signal
+    import time
     import urllib.request
 
     from clients.bench import main as bench_main
-    from pipeline.server import TritonServer, free_ports
+    from pipeline.server import free_ports
 
-    spec = load_spec(workdir / "cpu-reference.yaml")
-    d = deploy.plan_deployment(spec, "reference")
+    http, grpc, metrics = free_ports(3)
+    ports = [f"serving.http_port={http}", f"serving.grpc_port={grpc}", f"serving.metrics_port={metrics}"]
+    d = deploy.plan_deployment(load_spec(workdir / "cpu-reference.yaml", ports), "reference")
     files = write_files(d, cluster_dirs / "etc")
     deploy.stage_checkpoints(files / "checkpoints.json")
     deploy.build_in_cluster(files / "spec.yaml", "reference")
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(Path(d.values()["MODEL_REPO"]), http_port=http, grpc_port=grpc, metrics_port=metrics,
-                      startup_timeout_s=300) as server:
-        for path in ("/v2/health/ready", "/v2/health/live"):
-            assert urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=5).status == 200
+
+    command = [a.replace("/tmp/tritonserver.log", str(cluster_dirs / "tritonserver.log"))
+               .replace(str(deploy.FILES_MOUNT), str(files)) for a in deploy.server_command(d)]
+    assert command[:4] == ["python", "-m", "pipeline", "serve"]
+    server = subprocess.Popen([sys.executable, *command[1:]], cwd=REPO_DEPLOY.parent, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300  # the CPU overlay's startup budget
+        while True:
+            assert server.poll() is None, "the server command exited"
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "not ready within the startup budget"
+                time.sleep(1)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=5).status == 200
+
         # the benchmark Job's command, against this server instead of the Service, with a one-cell sweep
         job = yaml.safe_load((REPO_DEPLOY / "base" / "bench-job.yaml").read_text())
         (bench,) = job["spec"]["template"]["spec"]["containers"]
@@ -677,7 +696,17 @@ def test_server_pod_probes_and_scraped_metrics_exist_on_the_real_server(workdir,
         sweep = ["--prompts", "chat", "--concurrency", "1", "--k", "0,2", "--requests", "1", "--max-tokens", "4"]
         assert bench_main(args + sweep) == 0
         assert json.loads((cluster_dirs / "bench" / "bench.json").read_text())
-        exposed = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        exposed = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+
+        started = time.monotonic()
+        os.kill(server.pid, signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        assert time.monotonic() - started < 120 - PRESTOP_S  # terminationGracePeriodSeconds minus preStop
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
     exposed_names = {line.split("{")[0].split(" ")[0] for line in exposed.splitlines() if line and not line.startswith("#")}
     dashboard = json.loads((REPO_DEPLOY / "base" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
