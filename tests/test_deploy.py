@@ -732,3 +732,21 @@ def test_trtllm_build_job_assembles_a_repository_serving_the_engines_its_script_
         assert config.backend == "tensorrtllm"
         assert config.parameters["gpt_model_path"].string_value == f"{engines_dir}/{role}"
         assert config.parameters["gpt_model_path"].string_value.startswith(d.values()["BUILD_DIR"] + "/")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gpu-")])
+def test_trtllm_server_flags_exist_in_tritonserver(rendered, case):
+    """Every tritonserver flag of the GPU server command is one the real binary (the wheel's 2.51) accepts."""
+    from pipeline.server import tritonserver_root
+
+    _d, objects = rendered[case]
+    command = container(one(objects, "Deployment")["spec"]["template"]["spec"], "triton")["command"]
+    assert command[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver"]
+    out = subprocess.run([str(tritonserver_root() / "bin" / "tritonserver"), "--help"],
+                         capture_output=True, text=True, timeout=30)
+    help_text = out.stdout + out.stderr
+    accepted = set(re.findall(r"--[a-z][a-z-]*", help_text))
+    assert "--model-repository" in accepted
+    flags = {arg.split("=", 1)[0] for arg in command[5:]}
+    assert flags <= accepted, flags - accepted
