@@ -129,7 +129,7 @@ def test_awq_scales_never_do_worse_than_plain_int4(derived_pair):
     state = load_file(str(derived_pair[0] / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj"
     w, x = state[name + ".weight"], stats[name]["rows"]
-    s = awq_scale(w, stats[name], "W4A16_AWQ", 32)
+    s = awq_scale(w, stats[name], 32)
     awq = dequantize_linear(quantize_linear(w, "W4A16_AWQ", 32, s), "W4A16_AWQ", 32)
     plain = dequantize_linear(quantize_linear(w, "W4A16", 32), "W4A16", 32)
     assert (x @ (awq - w).T).pow(2).mean() <= (x @ (plain - w).T).pow(2).mean()

@@ -41,14 +41,20 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric grouped int4: (packed uint8 [out, in/2], scale f32 [out, in/group_size])."""
+def int4_values(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric grouped int4 values before packing: (q int8 in [-8, 7] [out, in], scale f32 [out, in/group_size])."""
     out_features, in_features = w.shape
     if in_features % group_size or in_features % 2:
         raise ValueError(f"{in_features} input columns are not a multiple of group_size {group_size}")
     groups = w.float().reshape(out_features, in_features // group_size, group_size)  # [out, G, g]
     scale = (groups.abs().amax(dim=2) / 7.0).clamp(min=1e-12)  # [out, G]
     q = torch.round(groups / scale[:, :, None]).clamp(-8, 7).to(torch.int8).reshape(out_features, in_features)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric grouped int4: (packed uint8 [out, in/2], scale f32 [out, in/group_size])."""
+    q, scale = int4_values(w, group_size)
     nibbles = (q & 0x0F).to(torch.uint8)  # two's complement low 4 bits
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # low nibble = even column
     return packed, scale
@@ -90,7 +96,7 @@ def quantize_linear(w: torch.Tensor, quant_algo: str, group_size: int, input_sca
     if quant_algo == "W4A16_AWQ":
         stored["pre_quant_scale"] = (1.0 / input_scale) if input_scale is not None else torch.ones(w.shape[1])
     if quant_algo == "W8A8_SQ_PER_CHANNEL":
-        stored["smoother"] = input_scale if input_scale is not None else torch.ones(w.shape[1])
+        stored["smoother"] = input_scale.clone() if input_scale is not None else torch.ones(w.shape[1])
     return stored
 
 

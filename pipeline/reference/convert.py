@@ -3,12 +3,12 @@
 convert: dtype cast, weight-only int8 (per channel) / int4 (grouped) / fp8 (per channel, float8_e4m3fn)
 quantization of the decoder's linear layers, Medusa heads or EAGLE weights added to the target.
 quantize (calibrated qformats, on min(calib_size, 16) sequences of 128 tokens of local text):
-- int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023): per linear, s = mean|x|^alpha with
-  alpha searched on a grid to minimize the output error of the int4 weight on calibration inputs;
-  the weight is quantized as w * s and `pre_quant_scale` = 1/s scales the input.
+- int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023): per input (q/k/v share one, as do
+  gate/up), s = mean|x|^alpha with alpha searched on a grid to minimize the output error of the int4
+  weights on calibration inputs; the weight is quantized as w * s and `pre_quant_scale` = 1/s scales the input.
 - int8_sq: SmoothQuant (Xiao et al. 2023) smoothing factors s = max|x|^0.5 / max|w|^0.5 per input
-  channel; weight int8 per channel of w * s, `smoother` = s. Activations are NOT quantized: the
-  reference runs it weight-only.
+  channel (shared like AWQ's); weight int8 per channel of w * s, `smoother` = s. Activations are NOT
+  quantized: the reference runs it weight-only.
 - fp8: per-channel float8_e4m3fn weights; activations stay in the compute dtype (weight-only).
 build: adds the engine limits and speculative-decoding settings (build_config) to the checkpoint.
 Weights load from safetensors; pickle files only when the spec allows them (torch.load weights_only).
@@ -25,13 +25,14 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.reference.checkpoint import (CONFIG_FILE, DTYPES, KV_CACHE_QUANT_ALGO, QUANT_ALGO, WEIGHTS_FILE,
-                                           is_quantized_linear, quantize_linear, save_engine)
+                                           int4_values, is_quantized_linear, quantize_linear, save_engine)
 from pipeline.reference.model import config_from_hf
 
 CALIB_SEQUENCES = 16
 CALIB_SEQ_LEN = 128
-CALIB_ROWS = 256  # input rows kept per linear for the AWQ scale search
+CALIB_ROWS = 128  # input rows kept per linear for the AWQ scale search
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one calibrated scale per shared input
 ENGINE_VERSION = "reference-1"
 
 
@@ -88,18 +89,18 @@ def calibration_inputs(model_dir: Path, calib_size: int) -> dict[str, dict[str, 
     return stats
 
 
-def awq_scale(w: torch.Tensor, stat: dict, quant_algo: str, group_size: int) -> torch.Tensor:
-    """The per-input-channel scale s [in] minimizing ||x w.T - (x / s) Q(w * s).T|| over the alpha grid."""
-    from pipeline.reference.checkpoint import dequantize_linear
-
+def awq_scale(w: torch.Tensor, stat: dict, group_size: int) -> torch.Tensor:
+    """The per-input-channel scale s [in] minimizing ||x w.T - (x / s) Q(w * s).T|| over the alpha grid (int4)."""
     x = stat["rows"]  # [n, in]
-    reference = x @ w.float().T  # [n, out]
-    best, best_err = torch.ones(w.shape[1]), float("inf")
-    for alpha in AWQ_ALPHAS:
+    w = w.float()
+    out_features, in_features = w.shape
+    best, best_err = torch.ones(in_features), float("inf")
+    for alpha in AWQ_ALPHAS:  # alpha 0 is plain int4, so the result is never worse on these inputs
         s = stat["absmean"].clamp(min=1e-4).pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        approx = x @ dequantize_linear(quantize_linear(w, quant_algo, group_size, s), quant_algo, group_size).T
-        err = (approx - reference).pow(2).mean().item()
+        q, scale = int4_values(w * s[None, :], group_size)  # [out, in], [out, G]
+        w_hat = (q.float().reshape(out_features, -1, group_size) * scale[:, :, None]).reshape(out_features, in_features)
+        err = (x @ (w_hat / s[None, :] - w).T).pow(2).mean().item()  # output error on calibration inputs
         if err < best_err:
             best, best_err = s, err
     return best
@@ -108,6 +109,22 @@ def awq_scale(w: torch.Tensor, stat: dict, quant_algo: str, group_size: int) -> 
 def smoothquant_scale(w: torch.Tensor, stat: dict, alpha: float = 0.5) -> torch.Tensor:
     """SmoothQuant's s [in] = max|x|^alpha / max|w|^(1 - alpha)."""
     return (stat["absmax"].clamp(min=1e-5).pow(alpha) / w.float().abs().amax(0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+
+
+def input_scales(state: dict, stats: dict, qformat: str, group_size: int) -> dict[str, torch.Tensor]:
+    """Calibrated input scale s per linear (key: `<prefix>.`); linears reading the same input share one."""
+    scales = {}
+    for name in state:
+        if not is_quantized_linear(name) or name[: -len("weight")] in scales:
+            continue
+        prefix = name[: -len(".weight")]
+        head, leaf = prefix.rsplit(".", 1)
+        group = next((g for g in SHARED_INPUT if leaf in g), (leaf,))
+        members = [f"{head}.{m}" for m in group if f"{head}.{m}.weight" in state]
+        w = torch.cat([state[m + ".weight"].float() for m in members])  # [sum of out, in]
+        s = awq_scale(w, stats[prefix], group_size) if qformat == "int4_awq" else smoothquant_scale(w, stats[prefix])
+        scales.update({m + ".": s for m in members})
+    return scales
 
 
 # ----------------------------------------------------------------------------- steps
@@ -128,18 +145,13 @@ def convert_checkpoint(params: dict, model_dir: Path, out_dir: Path, medusa_dir:
     state = load_weights(model_dir, allow_pickle)
     if config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
-    stats = calibration_inputs(model_dir, params["calib_size"]) if qformat in ("int4_awq", "int8_sq") else {}
+    scales = input_scales(state, calibration_inputs(model_dir, params["calib_size"]), qformat, group_size) \
+        if qformat in ("int4_awq", "int8_sq") else {}
     tensors = {}
     for name, w in state.items():
         if algo and is_quantized_linear(name):
             prefix = name[: -len("weight")]
-            stat = stats.get(prefix[:-1])
-            scale = None
-            if qformat == "int4_awq":
-                scale = awq_scale(w, stat, algo, group_size)
-            elif qformat == "int8_sq":
-                scale = smoothquant_scale(w, stat)
-            for suffix, t in quantize_linear(w, algo, group_size, scale).items():
+            for suffix, t in quantize_linear(w, algo, group_size, scales.get(prefix)).items():
                 tensors[prefix + suffix] = t
         else:
             tensors[name] = w.to(dtype) if w.is_floating_point() else w
