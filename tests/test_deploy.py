@@ -750,3 +750,12 @@ def test_trtllm_server_flags_exist_in_tritonserver(rendered, case):
     assert "--model-repository" in accepted
     flags = {arg.split("=", 1)[0] for arg in command[5:]}
     assert flags <= accepted, flags - accepted
+
+
+def test_plain_decoding_spec_has_no_draft_model_and_no_acceptance_alert(workdir):
+    plain = ["speculative.mode=none", "models.draft=null", "speculative.max_draft_len=0", "speculative.num_draft_tokens=0"]
+    d = deploy.plan_deployment(load_spec(workdir / "cpu-reference.yaml", plain), "reference", "ns")
+    assert [c.role for c in d.checkpoints] == ["target"]
+    assert "tensorrt_llm_draft" not in d.model_names and d.values()["KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT"] == ""
+    rules = [r for g in deploy.prometheus_rule(d)["spec"]["groups"] for r in g["rules"]]
+    assert [r.get("record") for r in rules] == [deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD]
