@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,7 +160,7 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             f"--log-verbose={self.log_verbose}",
             "--exit-on-error=true",
-            "--exit-timeout-secs=10",
+            "--exit-timeout-secs=30",  # python stubs unload slowly on a busy 2-core machine
         ]
 
     def start(self) -> "TritonServer":
@@ -204,7 +205,7 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=45)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
@@ -230,6 +231,7 @@ class TritonServer:
     def _cleanup_shm(self) -> None:
         for path in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             path.unlink(missing_ok=True)
+        shutil.rmtree(self.workdir / "backends", ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

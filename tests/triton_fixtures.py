@@ -67,7 +67,9 @@ def write_spec(folder: Path, target: Path, draft: Path, **overrides) -> Path:
         "name": "tritontest",
         "models": {"target": {"checkpoint": str(target), "dtype": "float32"},
                    "draft": {"checkpoint": str(draft), "dtype": "float32"}},
-        "speculative": {"mode": "draft_target", "max_draft_len": MAX_DRAFT_LEN, "num_draft_tokens": NUM_DRAFT_TOKENS},
+        # min_acceptance_rate 0: requests keep speculating whatever their acceptance (tests rely on it)
+        "speculative": {"mode": "draft_target", "max_draft_len": MAX_DRAFT_LEN, "num_draft_tokens": NUM_DRAFT_TOKENS,
+                        "min_acceptance_rate": 0.0},
         "engine": {"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 256, "max_num_tokens": 1024},
         "toolchain": "reference",
         "output": {"dir": str(folder / "out"), "cache_dir": str(folder / "cache")},

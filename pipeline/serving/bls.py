@@ -224,7 +224,8 @@ def text_responses(req: TextRequest, prompt_text: str, tokenizer, skip_special_t
             state["prefix"] += text
             return None
         text, state["prefix"] = state["prefix"] + text, ""
-        arrays = {"text_output": np.array([[text.encode("utf-8")]], dtype=object)}  # [batch, 1]
+        # [batch]: NVIDIA's BLS returns one string per request and its clients read text_output[0]
+        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object)}
         if chunk.final:
             st = chunk.stats
             arrays["acceptance_rate"] = np.array([[st.acceptance_rate]], dtype=np.float32)
