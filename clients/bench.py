@@ -232,6 +232,7 @@ async def warm_up(client: AsyncTritonClient, prompt_set: PromptSet, template: Ch
 
 async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
     """Run the whole sweep and return the report dict (see write_report)."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sets = [PromptSet.load(name) for name in cfg.prompt_sets]
     client = AsyncTritonClient(cfg.url, cfg.protocol, cfg.model, timeout_s=cfg.timeout_s)
     try:
@@ -261,7 +262,7 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
     finally:
         await client.close()
     add_speedups(cells)
-    return {"config": asdict(cfg), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"config": asdict(cfg), "started": started,
             "cells": cells, "recommendations": recommend(cells)}
 
 
