@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
 
-.PHONY: bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
+.PHONY: repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -47,6 +47,18 @@ deploy-render: venv models
 	for overlay in deploy/overlays/*/; do \
 	  kubectl kustomize $$overlay > out/deploy/$$(basename $$overlay).yaml || exit 1; \
 	  echo "rendered out/deploy/$$(basename $$overlay).yaml"; done
+
+# Triton (issue 4): assemble and validate the model repository (reference, plus the trtllm one and its
+# launch script), serve it on 127.0.0.1:8000/8001/8002, or run the whole demo (models -> engines ->
+# repository -> server -> streamed requests plain vs speculative -> stop).
+repo: venv engines
+	$(PY) -m pipeline repo $(SPEC) $(ARGS)
+
+serve: venv repo
+	$(PY) -m pipeline serve $(SPEC) $(ARGS)
+
+demo: venv models
+	$(PY) -m pipeline demo $(SPEC) $(ARGS)
 
 deploy-check: deploy-render
 	$(PY) -m pytest tests/test_deploy.py $(ARGS)

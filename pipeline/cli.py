@@ -18,7 +18,7 @@ import sys
 from pipeline.spec import SpecError, load_spec
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "pipeline.demo"]
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,173 @@
+"""`make demo`: models -> engines -> model repository -> Triton -> a few streamed requests, plain and speculative.
+
+Runs the spec's reference engines on the real Triton server, streams each answer to the terminal
+twice (num_draft_tokens 0, then the spec's K), prints acceptance and the measured speedup, and
+stops the server. The prompts are grounded (the answer copies from the prompt), the case where
+prompt-lookup speculation pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+DEMO_PROMPTS = [
+    "Correct the spelling in this sentence and write it out again: \"The quikc brown fox jumpd over the lazzy dog "
+    "that was sleeping near the river bank, and then it ran bak into the forrest.\"",
+    "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango. "
+    "Write the same list again, one fruit per line, numbered.",
+]
+MAX_TOKENS = 96
+
+
+@dataclass
+class Run:
+    """One streamed request's text and timings."""
+
+    text: str
+    seconds: float
+    first_token_s: float
+    output_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The prompt text with the model's chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return question
+
+
+def stream_once(grpc_url: str, prompt: str, num_draft_tokens: int, echo: bool) -> Run:
+    """Send one streaming request to tensorrt_llm_bls and print the text as it arrives."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    fields = {"text_input": np.array([[prompt.encode()]], dtype=object),
+              "max_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
+              "stream": np.array([[True]], dtype=bool),
+              "num_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
+              "return_num_output_tokens": np.array([[True]], dtype=bool)}
+    inputs = []
+    for name, arr in fields.items():
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    start = time.perf_counter()
+    client.async_stream_infer("tensorrt_llm_bls", inputs, request_id="demo", enable_empty_final_response=True)
+    pieces, first, last = [], None, None
+    while True:
+        stamp, result, error = events.get(timeout=600)
+        if error is not None:
+            client.stop_stream()
+            raise RuntimeError(f"request failed: {error}")
+        text = result.as_numpy("text_output")
+        if text is not None and text[0]:
+            piece = text[0].decode("utf-8")
+            first = first or stamp
+            pieces.append(piece)
+            if echo:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            last = result
+            end = stamp
+            break
+    client.stop_stream()
+    client.close()
+
+    def value(name):
+        v = last.as_numpy(name)
+        return int(v.reshape(-1)[0]) if v is not None else 0
+
+    return Run(text="".join(pieces), seconds=end - start, first_token_s=(first or end) - start,
+               output_tokens=value("num_output_tokens"), draft_tokens=value("total_draft_tokens"),
+               accepted_tokens=value("total_accepted_draft_tokens"))
+
+
+def describe(run: Run) -> str:
+    """One line of numbers for a run."""
+    rate = run.output_tokens / run.seconds if run.seconds else 0.0
+    line = f"{run.output_tokens} tokens in {run.seconds:.2f} s ({rate:.1f} tok/s, first text after {run.first_token_s:.2f} s)"
+    if run.draft_tokens:
+        line += (f"; accepted {run.accepted_tokens}/{run.draft_tokens} draft tokens "
+                 f"({100 * run.accepted_tokens / run.draft_tokens:.0f}%)")
+    return line
+
+
+def run_demo(spec, log=print) -> list[tuple[Run, Run]]:
+    """Build what is missing, serve, stream the demo prompts plain and speculative; returns the run pairs."""
+    from pipeline.execute import run_reference
+    from pipeline.repo.assemble import assemble
+    from pipeline.server import TritonServer, free_ports, port_is_free
+    from pipeline.serving.text import load_tokenizer
+
+    t0 = time.perf_counter()
+    run_reference(spec)
+    repo = assemble(spec, "reference")
+    log(f"model repository: {repo} ({time.perf_counter() - t0:.0f} s so far)")
+    s = spec.serving
+    ports = [s.http_port, s.grpc_port, s.metrics_port]
+    if not all(port_is_free(s.host, p) for p in ports):
+        ports = free_ports(3, s.host)
+        log(f"the spec's ports are busy; using HTTP {ports[0]}, gRPC {ports[1]}, metrics {ports[2]}")
+    k = spec.speculative.num_draft_tokens
+    tokenizer = load_tokenizer(str(spec.models.target.checkpoint))
+    pairs = []
+    with TritonServer(repo, host=s.host, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+                      log_file=spec.out_dir / "tritonserver.log") as server:
+        log(f"Triton ready on {server.grpc_url} (gRPC), {server.http_url} (HTTP) after {time.perf_counter() - t0:.0f} s; "
+            f"log {server.log_file}")
+        stream_once(server.grpc_url, chat_prompt(tokenizer, "Say hello."), 0, echo=False)  # warm-up
+        for question in DEMO_PROMPTS:
+            prompt = chat_prompt(tokenizer, question)
+            log(f"\n>>> {question}")
+            runs = []
+            for draft in (0, k):
+                label = "plain decoding" if draft == 0 else f"speculative ({spec.speculative.mode}, K={draft})"
+                log(f"--- {label}:")
+                runs.append(stream_once(server.grpc_url, prompt, draft, echo=True))
+                log(f"\n    [{describe(runs[-1])}]")
+            plain, spec_run = runs
+            log(f"    speedup {plain.seconds / spec_run.seconds:.2f}x; identical text: {'yes' if plain.text == spec_run.text else 'no'}")
+            pairs.append((plain, spec_run))
+    total_plain = sum(p.seconds for p, _ in pairs)
+    total_spec = sum(q.seconds for _, q in pairs)
+    drafted = sum(q.draft_tokens for _, q in pairs)
+    accepted = sum(q.accepted_tokens for _, q in pairs)
+    log(f"\nsummary: acceptance {accepted}/{drafted} ({100 * accepted / max(drafted, 1):.0f}%), "
+        f"speedup {total_plain / total_spec:.2f}x over {len(pairs)} prompts; demo took {time.perf_counter() - t0:.0f} s; "
+        "server stopped")
+    return pairs
+
+
+def add_parser(subparsers) -> None:
+    """Register `demo SPEC`."""
+    from pipeline.cli import add_spec_arguments
+
+    p = subparsers.add_parser("demo", help="engines -> repository -> Triton -> streamed requests, plain vs speculative")
+    add_spec_arguments(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`python -m pipeline demo SPEC`."""
+    from pipeline.cli import spec_from_args
+    from pipeline.spec import SpecError
+
+    spec = spec_from_args(args)
+    if spec.speculative.mode not in ("ngram", "draft_target"):
+        raise SpecError("speculative.mode", f"the demo compares BLS speculation, not {spec.speculative.mode!r}",
+                        "use examples/default.yaml (ngram) or examples/draft-target.yaml")
+    run_demo(spec)
+    return 0
