@@ -12,18 +12,17 @@ no torch, no transformers, no remote code.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.spec import Spec, SpecError
+from pipeline.spec import Spec, SpecError, named_checkpoints
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")  # torch.load can run arbitrary code
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass
@@ -179,18 +178,6 @@ def check_pickle_policy(spec: Spec) -> None:
                             "convert them to safetensors, or set security.allow_pickle_weights: true if you trust the source")
 
 
-def named_checkpoints(spec: Spec) -> list[tuple[str, Path]]:
-    """(field path, folder) of every checkpoint the spec names."""
-    named = [("models.target.checkpoint", spec.models.target.checkpoint)]
-    if spec.models.draft is not None:
-        named.append(("models.draft.checkpoint", spec.models.draft.checkpoint))
-    if spec.speculative.medusa is not None:
-        named.append(("speculative.medusa.checkpoint", spec.speculative.medusa.checkpoint))
-    if spec.speculative.eagle is not None:
-        named.append(("speculative.eagle.checkpoint", spec.speculative.eagle.checkpoint))
-    return named
-
-
 # ----------------------------------------------------------------------------- tokenizers
 
 
@@ -221,8 +208,6 @@ def tokenizer_facts(folder: Path, where: str) -> tuple[dict[str, int] | None, di
                 specials[key] = value
     sp_digest = None
     if (folder / "tokenizer.model").is_file():
-        import hashlib
-
         sp_digest = hashlib.sha256((folder / "tokenizer.model").read_bytes()).hexdigest()
     if mapping is None and sp_digest is None:
         raise SpecError(where, f"{folder} has no tokenizer.json or tokenizer.model",

@@ -407,16 +407,21 @@ def check_tree_choices(path: str, choices: tuple[tuple[int, ...], ...], max_draf
                         f"raise max_draft_len to {len(choices)} or prune the tree")
 
 
+def named_checkpoints(spec: Spec) -> list[tuple[str, Path]]:
+    """(field path, folder) of every checkpoint the spec names."""
+    named = [("models.target.checkpoint", spec.models.target.checkpoint)]
+    if spec.models.draft is not None:
+        named.append(("models.draft.checkpoint", spec.models.draft.checkpoint))
+    if spec.speculative.medusa is not None:
+        named.append(("speculative.medusa.checkpoint", spec.speculative.medusa.checkpoint))
+    if spec.speculative.eagle is not None:
+        named.append(("speculative.eagle.checkpoint", spec.speculative.eagle.checkpoint))
+    return named
+
+
 def check_spec_paths(spec: Spec) -> None:
     """Every checkpoint folder named in the spec exists."""
-    named = [("models.target.checkpoint", spec.models.target.checkpoint)]
-    if spec.models.draft:
-        named.append(("models.draft.checkpoint", spec.models.draft.checkpoint))
-    if spec.speculative.medusa:
-        named.append(("speculative.medusa.checkpoint", spec.speculative.medusa.checkpoint))
-    if spec.speculative.eagle:
-        named.append(("speculative.eagle.checkpoint", spec.speculative.eagle.checkpoint))
-    for where, p in named:
+    for where, p in named_checkpoints(spec):
         if not p.exists():
             raise SpecError(where, f"{p} does not exist",
                             "run `make models` for the default checkpoints, or point it at a Hugging Face checkpoint folder")
