@@ -65,6 +65,13 @@ def test_completion_text_usage_and_speculation(api, greedy, k):
     assert 0 <= spec["total_accepted_draft_tokens"] <= spec["total_draft_tokens"]
 
 
+def test_completion_prompt_list_runs_each_prompt(api, greedy):
+    r = api.completions.create(model="ensemble", prompt=[PROMPT, PROMPT + " a"], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == greedy
+    assert r.usage.completion_tokens == 2 * MAX_TOKENS
+    assert len(r.model_extra["speculation"]) == 2
+
+
 def test_completion_stream_is_server_sent_events_with_usage(api, greedy):
     chunks = list(api.completions.create(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, stream_options={"include_usage": True},
