@@ -153,7 +153,10 @@ def describe_plan(plan: Plan) -> str:
     cache_dir = plan.spec.output.cache_dir
     lines = [f"plan for {plan.spec.name} (toolchain {plan.toolchain}, build key {plan.build_key}):"]
     for i, step in enumerate(plan.steps, 1):
-        state = "cached" if is_cached(cache_dir, step) else "to build"
+        if plan.toolchain == "trtllm":
+            state = "runs on a GPU host (plan --dry-run)"
+        else:
+            state = "cached" if is_cached(cache_dir, step) else "to build"
         lines.append(f"  [{i}/{len(plan.steps)}] {step.label:16s} {step.key}  {state}")
     return "\n".join(lines)
 
