@@ -71,6 +71,7 @@ class Checkpoint:
     role: str
     cluster: str  # /models/<build-key>/<role>
     digest: str  # pipeline.plan.folder_digest, as hashed into the build key
+    files: tuple[str, ...]  # the files that digest covers (what a download fetches)
     image_path: str | None  # the same folder inside the pipeline image, when it lies in this project
     hf_repo: str | None  # a Hugging Face repo id to download it from
 
@@ -174,7 +175,7 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
-    from pipeline.plan import Plan, make_plan
+    from pipeline.plan import Plan, checkpoint_files, make_plan
     from pipeline.repo.assemble import EngineInfo, repo_models
 
     hf_repos = dict(hf_repos or {})
@@ -195,8 +196,9 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     for role, digest in digests.items():
         section, name = CHECKPOINT_FIELDS[role]
         local = getattr(getattr(spec, section), name).checkpoint
-        checkpoints.append(Checkpoint(role=role, cluster=str(MODELS_MOUNT / plan.build_key / role),
-                                      digest=digest, image_path=image_path(local), hf_repo=hf_repos.get(role)))
+        checkpoints.append(Checkpoint(role=role, cluster=str(MODELS_MOUNT / plan.build_key / role), digest=digest,
+                                      files=tuple(p.name for p in checkpoint_files(local)),
+                                      image_path=image_path(local), hf_repo=hf_repos.get(role)))
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
     target = EngineInfo.planned(spec, "target", Path("target"))
@@ -325,8 +327,8 @@ def prometheus_rule(d: DeployPlan) -> dict:
 
 def checkpoints_manifest(d: DeployPlan) -> list[dict]:
     """checkpoints.json: what `stage` puts where, and the digest each copy must have."""
-    return [{"role": c.role, "dest": c.cluster, "digest": c.digest, "image_path": c.image_path, "hf_repo": c.hf_repo}
-            for c in d.checkpoints]
+    return [{"role": c.role, "dest": c.cluster, "digest": c.digest, "files": list(c.files),
+             "image_path": c.image_path, "hf_repo": c.hf_repo} for c in d.checkpoints]
 
 
 def render_component(d: DeployPlan) -> dict[str, str]:
@@ -406,15 +408,17 @@ def stage_checkpoints(manifest: Path) -> list[str]:
             tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.parent.mkdir(parents=True, exist_ok=True)
-            if item["image_path"] and Path(item["image_path"]).exists():
-                source = Path(item["image_path"])
-                shutil.copytree(source, tmp) if source.is_dir() else shutil.copy2(source, tmp)
+            source = Path(item["image_path"]) if item["image_path"] else None
+            if source is not None and source.is_dir():
+                shutil.copytree(source, tmp)
+            elif source is not None and source.is_file():
+                shutil.copy2(source, tmp)
             elif item["hf_repo"]:
                 from huggingface_hub import snapshot_download
-                from pipeline.plan import CHECKPOINT_SUFFIXES
 
+                # exactly the files the digest covers
                 snapshot_download(repo_id=item["hf_repo"], local_dir=tmp, token=os.environ.get("HF_TOKEN") or None,
-                                  allow_patterns=[f"*{suffix}" for suffix in CHECKPOINT_SUFFIXES])
+                                  allow_patterns=item["files"])
             else:
                 raise DeployError(item["role"], f"no checkpoint at {dest}, none in the image and no Hugging Face repo",
                                   f"pass --hf-repo {item['role']}=ORG/NAME to `pipeline deploy`, or copy the folder "

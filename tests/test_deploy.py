@@ -759,3 +759,30 @@ def test_plain_decoding_spec_has_no_draft_model_and_no_acceptance_alert(workdir)
     assert "tensorrt_llm_draft" not in d.model_names and d.values()["KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT"] == ""
     rules = [r for g in deploy.prometheus_rule(d)["spec"]["groups"] for r in g["rules"]]
     assert [r.get("record") for r in rules] == [deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD]
+
+
+def test_stage_downloads_exactly_the_digested_files_with_the_token(workdir, cluster_dirs, monkeypatch, checkpoints):
+    """The Hugging Face Hub is out of reach here: a stand-in snapshot_download serves the local folder."""
+    import inspect
+
+    import huggingface_hub
+
+    assert {"repo_id", "local_dir", "token", "allow_patterns"} <= set(inspect.signature(huggingface_hub.snapshot_download).parameters)
+    calls = []
+
+    def snapshot_download(repo_id, local_dir, token, allow_patterns):
+        calls.append({"repo_id": repo_id, "token": token, "allow_patterns": allow_patterns})
+        Path(local_dir).mkdir(parents=True)
+        for name in allow_patterns:
+            shutil.copy2(checkpoints[repo_id.split("/")[1]] / name, Path(local_dir) / name)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(deploy, "PROJECT_ROOT", cluster_dirs / "elsewhere")  # not in the image: download
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    (checkpoints["target"] / "README.md").write_text("not part of the checkpoint's digest\n")
+    d = deploy.plan_deployment(load_spec(workdir / "gpu-medusa.yaml"), "trtllm",
+                               hf_repos=deploy.parse_hf_repos(["target=org/target", "medusa=org/medusa"]))
+    files = write_files(d, cluster_dirs / "etc")
+    assert [line.split(":")[0] for line in deploy.stage_checkpoints(files / "checkpoints.json")] == ["target", "medusa"]
+    assert [c["repo_id"] for c in calls] == ["org/target", "org/medusa"] and {c["token"] for c in calls} == {"hf_test"}
+    assert "README.md" not in calls[0]["allow_patterns"] and "config.json" in calls[0]["allow_patterns"]
