@@ -40,27 +40,28 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, KVH, D] at `slots` [T]."""
+        # index_copy_ / index_select: advanced indexing (t[layer, slots]) is ~1000x slower on CPU under load
         if not self.quantized:
-            self.k[layer, slots] = k
-            self.v[layer, slots] = v
+            self.k[layer].index_copy_(0, slots, k)
+            self.v[layer].index_copy_(0, slots, v)
             return
         for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0  # [T, KVH, 1]
-            store[layer, slots] = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
-            scales[layer, slots] = scale
+            store[layer].index_copy_(0, slots, torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8))
+            scales[layer].index_copy_(0, slots, scale)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [S, KVH, D] of `slots` [S], in the compute dtype."""
-        k, v = self.k[layer, slots], self.v[layer, slots]
+        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
         if self.quantized:
-            k = (k.float() * self.k_scale[layer, slots]).to(self.dtype)
-            v = (v.float() * self.v_scale[layer, slots]).to(self.dtype)
+            k = (k.float() * self.k_scale[layer].index_select(0, slots)).to(self.dtype)
+            v = (v.float() * self.v_scale[layer].index_select(0, slots)).to(self.dtype)
         return k, v
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` [n] to `dst` [n] (compacts an accepted tree path)."""
         for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
-            t[:, dst] = t[:, src]
+            t.index_copy_(1, dst, t.index_select(1, src))
 
     @property
     def nbytes(self) -> int:

@@ -139,7 +139,9 @@ class LlamaModel(torch.nn.Module):
         max_pos = max(config.get("max_position_embeddings", 2048), 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(config))  # [max_pos, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, D]
-        self.rope_cos, self.rope_sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.rope_cos = emb.cos().to(self.dtype)
+        sin = emb.sin().to(self.dtype)
+        self.rope_signed_sin = torch.cat([-sin[:, :sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=-1)
         self.scale = 1.0 / math.sqrt(self.head_size)
 
     # ---------------------------------------------------------------- loading
@@ -189,11 +191,9 @@ class LlamaModel(torch.nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos, sin: [T, 1, D]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos, signed_sin: [T, 1, D]. HF's rotate_half(x) * sin == roll(x, D/2) * signed_sin
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool = False,
@@ -207,29 +207,29 @@ class LlamaModel(torch.nn.Module):
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
         if int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # [T, 1, D]
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
-        x = self.embed[tokens] if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
+        x = self.embed.index_select(0, tokens) if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"]) if layer["input_norm"] is not None else x
             qkv = self._linear(h, layer["qkv"], layer["qkv_bias"])  # [T, (H + 2 KVH) * D]
-            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-            q = self._rope(q.view(-1, H, D), cos, sin)  # [T, H, D]
-            k = self._rope(k.view(-1, KVH, D), cos, sin)  # [T, KVH, D]
-            kv.write(li, plan.slots, k, v.view(-1, KVH, D))
+            qk = self._rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)  # [T, H + KVH, D]
+            q, k = qk.split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
+            kv.write(li, plan.slots, k, qkv[:, (H + KVH) * D:].view(-1, KVH, D))
             attn = self._attention(li, q, kv, plan)  # [T, H * D]
             x = x + self._linear(attn, layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
             gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)  # [T, I] each
             x = x + self._linear(F.silu(gate) * up, layer["down"])
         hidden = self._rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
-        rows = hidden[plan.logits_index] if plan.logits_index is not None else hidden
+        rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
         logits = self._linear(rows, self.lm_head).float()  # [R, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
-        out = torch.empty(q.shape[0], self.num_heads * self.head_size, dtype=q.dtype)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
         for start, end, ctx_slots, mask in plan.groups:
             k, v = kv.gather(layer, ctx_slots)  # [S, KVH, D] each
             o = F.scaled_dot_product_attention(
