@@ -6,7 +6,7 @@ pydoc text every CPython ships, with one 4096-token BPE tokenizer, so that draft
 has a realistic acceptance (about 35-45 %) and a realistic cost ratio (draft about 1/10 of the target).
 Built once by `make trained-pair` into models/trained-pair/{target,draft} and reused afterwards.
 
-    python -m pipeline.trainpair --out models/trained-pair [--target-steps 240 --draft-steps 300]
+    python -m pipeline.trainpair --out models/trained-pair [--target-steps 100 --draft-steps 120]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def token_stream(tokenizer, max_chars: int = 400_000) -> torch.Tensor:
     return torch.tensor(tokenizer(local_text(max_chars))["input_ids"], dtype=torch.long)
 
 
-def train(model: LlamaForCausalLM, tokens: torch.Tensor, steps: int, lr: float, seq_len: int = 128,
+def train(model: LlamaForCausalLM, tokens: torch.Tensor, steps: int, lr: float, seq_len: int = 64,
           batch: int = 8, seed: int = 0, label: str = "train") -> float:
     """Next-token training on random windows of `tokens` [N]; returns the last loss."""
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +55,7 @@ def train(model: LlamaForCausalLM, tokens: torch.Tensor, steps: int, lr: float, 
     return loss_value
 
 
-def build_trained_pair(out_dir: str | Path, target_steps: int = 240, draft_steps: int = 300) -> tuple[Path, Path]:
+def build_trained_pair(out_dir: str | Path, target_steps: int = 100, draft_steps: int = 120) -> tuple[Path, Path]:
     """Train (or reuse) the pair under out_dir; returns (target_dir, draft_dir)."""
     out_dir = Path(out_dir)
     target_dir, draft_dir = out_dir / "target", out_dir / "draft"
@@ -68,7 +68,7 @@ def build_trained_pair(out_dir: str | Path, target_steps: int = 240, draft_steps
     tokenizer = make_tokenizer(target_dir, VOCAB)
     tokens = token_stream(tokenizer)
     report = {"recipe": recipe, "train_tokens": tokens.numel()}
-    for name, shape, steps, lr, path in (("target", TARGET, target_steps, 2e-3, target_dir),
+    for name, shape, steps, lr, path in (("target", TARGET, target_steps, 3e-3, target_dir),
                                          ("draft", DRAFT, draft_steps, 3e-3, draft_dir)):
         torch.manual_seed(1)
         config = tiny_config(vocab_size=VOCAB, **shape)
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: build the pair (cached)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models/trained-pair", help="output folder (default: models/trained-pair)")
-    parser.add_argument("--target-steps", type=int, default=240)
-    parser.add_argument("--draft-steps", type=int, default=300)
+    parser.add_argument("--target-steps", type=int, default=100)
+    parser.add_argument("--draft-steps", type=int, default=120)
     args = parser.parse_args(argv)
     target, draft = build_trained_pair(args.out, args.target_steps, args.draft_steps)
     print(f"target: {target}\ndraft:  {draft}\n{(Path(args.out) / 'recipe.json').read_text()}")

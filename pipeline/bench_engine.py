@@ -1,0 +1,344 @@
+"""`make bench-engine`: the reference engine's plain and speculative throughput, side by side with transformers.
+
+One run measures, for every pair, at batch 1 and with 8 concurrent requests, 128 new tokens each:
+our plain decoding, our speculative decoding per K (policy wrapper on: switch-off below
+min_acceptance_rate), acceptance; transformers' generate, assisted generation with a fixed K
+(assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
+(prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth
+measured in the same run). Pairs:
+- smollm2-draft: SmolLM2-135M-Instruct with its derived 4-layer draft (`make models`), chat prompts;
+- smollm2-ngram: SmolLM2-135M-Instruct with prompt lookup on input-grounded prompts (rewrite a
+  given text, document a given function);
+- trained: the 6-layer/384 target and 1-layer/128 draft of `make trained-pair`, local-text prompts;
+- trained-weak: the same target with an untrained draft of the same shape (acceptance near 0).
+Writes docs/bench-engine.json, docs/bench-engine.md and docs/img/bench-engine-speedup.png.
+
+    python -m pipeline.bench_engine [--ks 2,4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipeline.reference.draft_model import DraftModelProposer
+from pipeline.reference.engine import EngineConfig, LLMEngine, Request
+from pipeline.reference.metrics import aggregate
+from pipeline.reference.model import LlamaModel, config_from_hf
+from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.reference.proposers import NgramProposer
+from pipeline.toymodels import local_text
+
+NEW_TOKENS = 128
+BATCH = 8
+SMOLLM2 = Path("models/SmolLM2-135M-Instruct")
+SMOLLM2_DRAFT = Path("models/SmolLM2-135M-draft-L4")
+TRAINED = Path("models/trained-pair")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Pair:
+    """A target, how drafts are made for it, and the prompts it is measured on."""
+
+    name: str
+    target: Path
+    draft: Path | None  # None: prompt lookup (n-gram)
+    prompts: list[list[int]]
+    weak: bool = False  # an untrained draft of the trained draft's shape
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Open questions in SmolLM2's chat template."""
+    questions = ["Explain how a hash table works and when it is slow.", "Write a short story about a lighthouse keeper.",
+                 "What are the main causes of inflation?", "Describe the water cycle to a ten-year-old."]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+            for q in questions[:n]]
+
+
+def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Input-grounded tasks whose answers copy the input: rewriting a given text, documenting given code."""
+    text = local_text(6000)[3000:4200]
+    code = inspect.getsource(textwrap.dedent)
+    tasks = [f"Rewrite the following text, keeping every sentence and fixing only typos:\n\n{text}",
+             f"Add a comment above every line of this Python function and return the whole function:\n\n{code}",
+             f"Repeat the following text exactly:\n\n{local_text(9000)[7000:8000]}"]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in tasks[:n]]
+
+
+def local_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Beginnings of local-text paragraphs (the trained pair's own domain)."""
+    text = local_text()
+    return [tokenizer(text[i * 20_000:i * 20_000 + 400])["input_ids"] for i in range(n)]
+
+
+def make_pairs(names: list[str], n_prompts: int) -> list[Pair]:
+    """The requested pairs whose checkpoints exist (a missing one is reported and skipped)."""
+    from transformers import AutoTokenizer
+
+    pairs = []
+    for name in names:
+        needs = {"smollm2-draft": [SMOLLM2, SMOLLM2_DRAFT], "smollm2-ngram": [SMOLLM2],
+                 "trained": [TRAINED / "target", TRAINED / "draft"], "trained-weak": [TRAINED / "target"]}[name]
+        missing = [str(p) for p in needs if not (p / "config.json").is_file()]
+        if missing:
+            print(f"skipping {name}: {', '.join(missing)} missing (run `make models` / `make trained-pair`)")
+            continue
+        tok = AutoTokenizer.from_pretrained(needs[0])
+        if name == "smollm2-draft":
+            pairs.append(Pair(name, SMOLLM2, SMOLLM2_DRAFT, chat_prompts(tok, n_prompts)))
+        elif name == "smollm2-ngram":
+            pairs.append(Pair(name, SMOLLM2, None, grounded_prompts(tok, n_prompts)))
+        elif name == "trained":
+            pairs.append(Pair(name, TRAINED / "target", TRAINED / "draft", local_prompts(tok, n_prompts)))
+        else:
+            pairs.append(Pair(name, TRAINED / "target", TRAINED / "draft", local_prompts(tok, n_prompts), weak=True))
+    return pairs
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def read_bandwidth_gbs(megabytes: int = 512) -> float:
+    """Best-of-5 read bandwidth of a torch sum over `megabytes` (GB/s)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def weak_draft(draft_dir: Path, dtype: str):
+    """An untrained draft with the trained draft's shape (seeded random init), as a transformers model."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(AutoConfig.from_pretrained(draft_dir)).to(TORCH_DTYPES[dtype]).eval()
+
+
+def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, dict]:
+    """Generate NEW_TOKENS for every prompt concurrently in one engine; returns (tokens/s, speculation summary)."""
+    engine = LLMEngine(model, EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400),
+                       proposer)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", p, NEW_TOKENS))
+    stats, generated = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            generated += len(out.new_token_ids)
+            if out.finished:
+                stats.append(out.stats)
+    seconds = time.perf_counter() - start
+    return generated / seconds, aggregate(stats).summary()
+
+
+def run_hf(target, prompts: list[list[int]], assistant=None, k: int = 0, lookup: bool = False) -> float:
+    """transformers generate at batch 1, one prompt after another: tokens/s (greedy, no early stop)."""
+    generated, seconds = 0, 0.0
+    for p in prompts:
+        ids = torch.tensor([p])
+        kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        if assistant is not None:
+            kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        if lookup:
+            kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        seconds += time.perf_counter() - start
+        generated += out.shape[1] - ids.shape[1]
+    return generated / seconds
+
+
+def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None) -> PolicyProposer:
+    """The pair's proposer at fixed K inside the policy wrapper (spec defaults: switch-off below 10 %)."""
+    inner = NgramProposer(1, 3) if pair.draft is None else DraftModelProposer(draft_model, max_batch_size=BATCH, max_seq_len=1400)
+    return PolicyProposer(inner, PolicyConfig(num_draft_tokens=k, max_draft_tokens=k))
+
+
+def bench_pair(pair: Pair, ks: list[int], dtype: str, bandwidth: float, progress: tqdm) -> list[dict]:
+    """Every measurement of one pair: rows of the results table."""
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    target = LlamaModel.from_hf(pair.target, dtype)
+    draft = hf_draft = None
+    if pair.draft is not None:
+        hf_draft = (weak_draft(pair.draft, dtype) if pair.weak
+                    else AutoModelForCausalLM.from_pretrained(pair.draft, dtype=TORCH_DTYPES[dtype]).eval())
+        draft = LlamaModel(config_from_hf(json.loads((pair.draft / "config.json").read_text()), dtype), hf_draft.state_dict())
+    batch8 = [pair.prompts[i % len(pair.prompts)] for i in range(BATCH)]
+    run_ours(target, [pair.prompts[0][:16]])  # warm-up (allocations, kernels)
+
+    def ours(label, batch, k, prompts, proposer):
+        if batch == 1:
+            results = [run_ours(target, [p], proposer) for p in prompts]
+            tps = len(results) / sum(1 / r[0] for r in results)  # total tokens / total time
+            spec = results[-1][1]
+        else:
+            tps, spec = run_ours(target, prompts, proposer)
+        rows.append({"pair": pair.name, "engine": "ours", "method": label, "batch": batch, "k": k, "tok_s": round(tps, 2),
+                     **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward")}})
+        progress.update()
+
+    for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
+        ours("plain", batch, 0, prompts, None)
+        for k in ks:
+            ours("ngram" if pair.draft is None else "draft", batch, k, prompts, proposer_for(pair, k, draft))
+    hf_target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=TORCH_DTYPES[dtype]).eval()
+    hf_target.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, like our runs
+    rows.append({"pair": pair.name, "engine": "transformers", "method": "generate", "batch": 1, "k": 0,
+                 "tok_s": round(run_hf(hf_target, pair.prompts), 2)})
+    progress.update()
+    for k in ks:
+        method = "prompt_lookup" if pair.draft is None else "assisted"
+        tps = run_hf(hf_target, pair.prompts, assistant=hf_draft, k=k, lookup=pair.draft is None)
+        rows.append({"pair": pair.name, "engine": "transformers", "method": method, "batch": 1, "k": k, "tok_s": round(tps, 2)})
+        progress.update()
+    roofline = bandwidth * 1e9 / target.weight_bytes
+    rows.append({"pair": pair.name, "engine": "roofline", "method": "weights/bandwidth", "batch": 1, "k": 0,
+                 "tok_s": round(roofline, 2), "weight_mb": round(target.weight_bytes / 1e6, 1)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def speedups(rows: list[dict]) -> None:
+    """Add speedup vs our plain decoding at the same pair and batch."""
+    plain = {(r["pair"], r["batch"]): r["tok_s"] for r in rows if r["engine"] == "ours" and r["method"] == "plain"}
+    for r in rows:
+        r["speedup_vs_our_plain"] = round(r["tok_s"] / plain[(r["pair"], r["batch"])], 3)
+
+
+def best(rows, pair, engine, method, batch=1):
+    """The best tok/s row of a (pair, engine, method, batch), or None."""
+    cands = [r for r in rows if r["pair"] == pair and r["engine"] == engine and r["method"] == method and r["batch"] == batch]
+    return max(cands, key=lambda r: r["tok_s"]) if cands else None
+
+
+def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """(goal, measured ratio, met) for each goal of the issue whose rows exist."""
+    out = []
+
+    def add(goal, num, den, need):
+        if num is None or den is None:
+            out.append((goal, "not measured", None))
+        else:
+            ratio = num["tok_s"] / den["tok_s"]
+            out.append((goal, f"{ratio:.2f}x (K={num['k']})" if num["k"] else f"{ratio:.2f}x", ratio >= need))
+
+    for pair in ("smollm2-draft", "smollm2-ngram", "trained"):
+        if best(rows, pair, "ours", "plain"):
+            add(f"{pair}: plain >= 1.5x transformers generate", best(rows, pair, "ours", "plain"),
+                best(rows, pair, "transformers", "generate"), 1.5)
+            add(f"{pair}: plain >= 70% of the roofline", best(rows, pair, "ours", "plain"),
+                best(rows, pair, "roofline", "weights/bandwidth"), 0.7)
+            break
+    add("trained: draft-target >= 1.8x our plain", best(rows, "trained", "ours", "draft"), best(rows, "trained", "ours", "plain"), 1.8)
+    add("trained: draft-target >= 1.3x transformers assisted", best(rows, "trained", "ours", "draft"),
+        best(rows, "trained", "transformers", "assisted"), 1.3)
+    add("smollm2-ngram: n-gram >= 2x our plain", best(rows, "smollm2-ngram", "ours", "ngram"),
+        best(rows, "smollm2-ngram", "ours", "plain"), 2.0)
+    add("trained-weak: weak draft >= 0.95x our plain", best(rows, "trained-weak", "ours", "draft"),
+        best(rows, "trained-weak", "ours", "plain"), 0.95)
+    for pair in ("smollm2-draft", "smollm2-ngram", "trained", "trained-weak"):
+        method = "ngram" if pair == "smollm2-ngram" else "draft"
+        add(f"{pair}: 8 concurrent, speculative >= plain", best(rows, pair, "ours", method, BATCH),
+            best(rows, pair, "ours", "plain", BATCH), 1.0)
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    """The results table and the goals, as markdown."""
+    lines = [f"Run {result['date']}, dtype {result['dtype']}, {NEW_TOKENS} new tokens, read bandwidth "
+             f"{result['bandwidth_gbs']:.1f} GB/s, {result['seconds']:.0f} s wall. Command: `{result['command']}`", "",
+             "| pair | engine | method | batch | K | tok/s | vs our plain | acceptance | accepted/step | tokens/forward |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        fmt = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
+        lines.append(f"| {r['pair']} | {r['engine']} | {r['method']} | {r['batch']} | {r['k'] or '-'} | {r['tok_s']:.1f} | "
+                     f"{r['speedup_vs_our_plain']:.2f} | {fmt('acceptance_rate')} | {fmt('mean_accepted_length')} | "
+                     f"{fmt('tokens_per_forward')} |")
+    lines += ["", "| goal | measured | met |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {'yes' if ok else 'no' if ok is not None else '-'} |" for g, m, ok in result["goals"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup vs K per pair, proposer and batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["k"] and r["engine"] != "roofline":
+            label = f"{r['pair']} {r['method']}" + (f" b{r['batch']}" if r["engine"] == "ours" else " (transformers)")
+            series.setdefault(label, []).append((r["k"], r["speedup_vs_our_plain"]))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([k for k, _ in points], [s for _, s in points], marker="o", label=label,
+                linestyle="--" if "transformers" in label else "-")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("K (draft tokens per step)")
+    ax.set_ylabel("speedup vs our plain decoding")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ks", default="2,4", help="draft lengths to measure (default 2,4)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per pair (default 2)")
+    parser.add_argument("--pairs", default="trained,trained-weak,smollm2-ngram,smollm2-draft")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
+    parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
+    parser.add_argument("--out", default="docs", help="folder for bench-engine.{json,md} and img/")
+    args = parser.parse_args(argv)
+    ks = list(range(1, 9)) if args.full else [int(k) for k in args.ks.split(",")]
+    n_prompts = 3 if args.full else args.prompts
+    pairs = make_pairs(args.pairs.split(","), n_prompts)
+    started = time.time()
+    bandwidth = read_bandwidth_gbs()
+    rows: list[dict] = []
+    with tqdm(total=len(pairs) * (2 * (1 + len(ks)) + 1 + len(ks)), desc="bench-engine", unit="run") as progress:
+        for pair in pairs:
+            rows += bench_pair(pair, ks, args.dtype, bandwidth, progress)
+    speedups(rows)
+    argv = sys.argv[1:] if argv is None else argv
+    command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "dtype": args.dtype,
+              "bandwidth_gbs": round(bandwidth, 2), "seconds": round(time.time() - started, 1), "command": command,
+              "rows": rows}
+    result["goals"] = goals(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-engine.json").write_text(json.dumps(result, indent=1))
+    (out / "bench-engine.md").write_text(render_markdown(result))
+    plot(rows, out / "img" / "bench-engine-speedup.png")
+    print(render_markdown(result))
+
+
+if __name__ == "__main__":
+    main()

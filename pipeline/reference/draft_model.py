@@ -1,0 +1,114 @@
+"""DraftModelProposer: draft tokens from a small LlamaModel with its own paged KV cache.
+
+Each propose call runs the draft model over all requests that want a draft, batched: one forward
+brings every request up to date (the committed tokens its cache lacks, at least the last one) and
+yields its first draft token; each further forward adds one draft token per request still short.
+The draft cache never needs an explicit rollback: it remembers which tokens its KV holds, and the
+next call keeps only the prefix that agrees with the committed tokens (rejected drafts fall away).
+Greedy requests get argmax drafts; sampled ones (temperature > 0) get tokens sampled from the
+draft's q = softmax(logits / T), returned with the draft so verification stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
+from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.proposers import Draft, ProposalInput
+from pipeline.reference.sampling import SamplingParams, probabilities
+
+
+@dataclass
+class _DraftSequence:
+    """The draft cache's view of one request."""
+
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the draft cache, in order
+
+
+@dataclass
+class _Job:
+    """One request's drafting within a propose call."""
+
+    inp: ProposalInput
+    state: _DraftSequence
+    feed: list[int]  # tokens to run through the draft model next
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # [vocab] q per drafted token (sampled requests)
+
+
+class DraftModelProposer:
+    """A draft model proposing chains of K tokens (see the module docstring)."""
+
+    needs_hidden_states = False
+
+    def __init__(self, model: LlamaModel, max_batch_size: int = 8, max_seq_len: int = 2048, tokens_per_block: int = 32):
+        self.model = model
+        num_blocks = max_batch_size * -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size
+        self.kv = model.new_kv_cache(num_blocks, tokens_per_block)
+        self.block_manager = BlockManager(num_blocks, tokens_per_block)
+        self.sequences: dict[str, _DraftSequence] = {}
+
+    @classmethod
+    def from_hf(cls, checkpoint_dir: str | Path, dtype: str = "float32", **kwargs) -> "DraftModelProposer":
+        """A proposer over an HF draft checkpoint."""
+        return cls(LlamaModel.from_hf(checkpoint_dir, dtype), **kwargs)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, **kwargs) -> "DraftModelProposer":
+        """A proposer over a reference draft engine directory."""
+        return cls(LlamaModel.from_engine_dir(engine_dir), **kwargs)
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """A chain of num_tokens draft tokens per request (empty when num_tokens is 0)."""
+        jobs = {inp.request_id: self._start(inp) for inp in inputs if inp.num_tokens > 0}
+        active = list(jobs.values())
+        while active:
+            seqs = [SequenceInput(j.feed, len(j.state.cached), j.state.blocks.blocks) for j in active]
+            logits = self.model(seqs, self.kv).logits  # [len(active), vocab]: after each request's last fed token
+            for job, row in zip(active, logits):
+                job.state.cached += job.feed
+                self._pick(job, row)
+                job.feed = job.tokens[-1:]
+            active = [j for j in active if len(j.tokens) < j.inp.num_tokens]
+        drafts = []
+        for inp in inputs:
+            job = jobs.get(inp.request_id)
+            if job is None:
+                drafts.append(Draft(token_ids=[]))
+            else:
+                drafts.append(Draft(token_ids=job.tokens, probs=torch.stack(job.probs) if job.probs else None))
+        return drafts
+
+    def _start(self, inp: ProposalInput) -> _Job:
+        """Trim the request's draft cache to the prefix it shares with the committed tokens; reserve blocks."""
+        state = self.sequences.setdefault(inp.request_id, _DraftSequence())
+        keep = 0
+        limit = min(len(state.cached), len(inp.token_ids) - 1)  # the last committed token is always fed
+        while keep < limit and state.cached[keep] == inp.token_ids[keep]:
+            keep += 1
+        del state.cached[keep:]
+        self.block_manager.ensure_capacity(state.blocks, len(inp.token_ids) + inp.num_tokens)
+        return _Job(inp=inp, state=state, feed=inp.token_ids[keep:])
+
+    def _pick(self, job: _Job, logits: torch.Tensor) -> None:
+        """Append the next draft token from the draft logits [vocab]: argmax, or a sample of q with its q row."""
+        if job.inp.temperature <= 0:
+            job.tokens.append(int(logits.argmax()))
+            return
+        q = probabilities(logits[None], SamplingParams(temperature=job.inp.temperature))[0]  # [vocab] q
+        job.tokens.append(int(torch.multinomial(q, 1, generator=job.inp.generator)))
+        job.probs.append(q)
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Nothing to do: the next propose call trims the cache to the committed tokens."""
+
+    def release(self, request_id: str) -> None:
+        """Free the request's draft KV blocks."""
+        state = self.sequences.pop(request_id, None)
+        if state is not None:
+            self.block_manager.free(state.blocks)

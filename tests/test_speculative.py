@@ -1,0 +1,235 @@
+"""Speculative decoding through the engine (fp32, batch-invariant math): every proposer gives exactly
+the plain greedy tokens, at batch 1 and with 8 requests of different lengths joining at different
+steps; acceptance behaves as the pair says (exact pair ~100 %, derived pair partial, weak pair ~0).
+Plus a chi-square test that sampled speculative outputs of a real (tiny) model follow its distribution.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.reference.draft_model import DraftModelProposer
+from pipeline.reference.eagle import EagleProposer
+from pipeline.reference.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
+from pipeline.reference.metrics import aggregate
+from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.reference.proposers import Draft, NgramProposer
+from pipeline.toymodels import make_derived_pair
+
+MAX_NEW = 12
+MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    """n prompts of different lengths (4..25 tokens), each with a repeated stretch for prompt lookup."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        head = torch.randint(3, 512, (4 + 3 * i,), generator=g).tolist()
+        out.append(head + head[: 2 + i % 3])
+    return out
+
+
+def run(target_dir, proposer=None, requests=None, stagger: bool = False, max_draft_len: int = 8, sampling=None):
+    """Generate with a fresh engine; returns ({request_id: tokens}, aggregated SpecStats)."""
+    model = LlamaModel.from_hf(target_dir, "float32")
+    engine = LLMEngine(model, EngineConfig(max_batch_size=8, max_draft_len=max_draft_len, batch_invariant=True,
+                                           max_seq_len=256, max_input_len=128), proposer)
+    requests = list(requests if requests is not None else enumerate(prompts()))
+    tokens: dict[str, list[int]] = {}
+    stats = []
+    pending = [Request(f"r{i}", p, MAX_NEW, sampling=sampling or SamplingParams()) for i, p in requests]
+    while pending or engine.has_unfinished():
+        if pending:  # staggered: one request joins per step; else everybody at once
+            for req in pending[:1] if stagger else pending:
+                engine.add_request(req)
+            pending = pending[1:] if stagger else []
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                stats.append(out.stats)
+    return tokens, aggregate(stats)
+
+
+@pytest.fixture(scope="module")
+def plain(derived_pair):
+    """Plain greedy tokens of every prompt, each request alone (batch 1)."""
+    target, _ = derived_pair
+    return {f"r{i}": run(target, requests=[(i, p)])[0][f"r{i}"] for i, p in enumerate(prompts())}
+
+
+def random_medusa_dir(path, hidden=64, vocab=512, num_heads=3, seed=0):
+    """A tiny FasterDecoding-format Medusa folder with random heads (one ResBlock + own LM head each)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for h in range(num_heads):
+        state[f"{h}.0.linear.weight"] = torch.randn(hidden, hidden, generator=g) * 0.05
+        state[f"{h}.0.linear.bias"] = torch.zeros(hidden)
+        state[f"{h}.1.weight"] = torch.randn(vocab, hidden, generator=g) * 0.5
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, path / "medusa_lm_head.safetensors")
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": 1}))
+    return path
+
+
+def random_eagle_dir(path, hidden=64, vocab=512, heads=4, kv_heads=2, inter=128, seed=0):
+    """A tiny EAGLE-1 folder (config.json + model.safetensors) with random weights."""
+    g = torch.Generator().manual_seed(seed)
+    d = hidden // heads
+
+    def r(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    state = {"fc.weight": r(hidden, 2 * hidden), "fc.bias": torch.zeros(hidden),
+             "layers.0.self_attn.q_proj.weight": r(heads * d, hidden), "layers.0.self_attn.k_proj.weight": r(kv_heads * d, hidden),
+             "layers.0.self_attn.v_proj.weight": r(kv_heads * d, hidden), "layers.0.self_attn.o_proj.weight": r(hidden, heads * d),
+             "layers.0.mlp.gate_proj.weight": r(inter, hidden), "layers.0.mlp.up_proj.weight": r(inter, hidden),
+             "layers.0.mlp.down_proj.weight": r(hidden, inter), "layers.0.post_attention_layernorm.weight": torch.ones(hidden)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, path / "model.safetensors")
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": inter,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+              "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+class ScriptedTreeProposer:
+    """Test proposer: a tree whose SECOND branch holds the true continuation (from a plain run), the first a wrong one.
+
+    Exercises tree verification through the engine with accepted paths off the first branch, so the
+    accepted KV must be moved next to the root.
+    """
+
+    needs_hidden_states = False
+
+    def __init__(self, plain_tokens: dict[str, list[int]], prompt_lens: dict[str, int]):
+        self.plain, self.prompt_lens = plain_tokens, prompt_lens
+
+    def propose(self, inputs):
+        drafts = []
+        for inp in inputs:
+            done = len(inp.token_ids) - self.prompt_lens[inp.request_id]
+            truth = self.plain[inp.request_id][done:done + 3]
+            if len(truth) < 3 or inp.num_tokens < 6:
+                drafts.append(Draft(token_ids=[]))
+                continue
+            wrong = [(t + 1) % 512 for t in truth]
+            # nodes: 0 wrong0, 1 truth0, 2 wrong1 (under 0), 3 wrong1 (under 1), 4 truth1 (under 1), 5 truth2 (under 4)
+            drafts.append(Draft(token_ids=[wrong[0], truth[0], wrong[1], wrong[1], truth[1], truth[2]],
+                                parents=[-1, -1, 0, 1, 1, 4]))
+        return drafts
+
+    def update(self, request_id, num_accepted, num_proposed):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def make_proposer(kind, pair_dir, tmp_path):
+    target, draft = pair_dir
+    target_model = LlamaModel.from_hf(target, "float32")
+    if kind == "ngram":
+        return NgramProposer(1, 3)
+    if kind == "draft":
+        return DraftModelProposer.from_hf(draft, max_seq_len=256)
+    if kind == "medusa":
+        return MedusaProposer(load_medusa_dir(random_medusa_dir(tmp_path / "medusa"), target_model.lm_head), MEDUSA_CHOICES)
+    if kind == "eagle":
+        return EagleProposer.from_eagle_dir(random_eagle_dir(tmp_path / "eagle"), target_model, choices=MEDUSA_CHOICES)
+    if kind == "eagle2":
+        return EagleProposer.from_eagle_dir(random_eagle_dir(tmp_path / "eagle"), target_model, dynamic_top_k=3)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft", "medusa", "eagle", "eagle2"])
+def test_greedy_speculation_equals_plain_decoding(kind, derived_pair, plain, tmp_path):
+    target, _ = derived_pair
+    alone = {}
+    for i, p in enumerate(prompts()[:2]):  # batch 1
+        alone.update(run(target, make_proposer(kind, derived_pair, tmp_path), requests=[(i, p)])[0])
+    assert alone == {k: plain[k] for k in alone}
+    batched, stats = run(target, make_proposer(kind, derived_pair, tmp_path), stagger=True)  # 8 joining at different steps
+    assert batched == plain
+    assert stats.draft_tokens > 0  # speculation really happened
+
+
+def test_draft_model_acceptance_follows_the_pair(derived_pair, exact_pair, tmp_path):
+    target, draft = exact_pair
+    _, exact = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256))
+    assert exact.acceptance_rate > 0.97  # the draft is the target: every draft token is accepted (bonus path)
+    target, draft = derived_pair
+    _, partial = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256))
+    assert 0.2 < partial.acceptance_rate < 0.95  # accepted prefixes and recovered tokens
+    assert partial.acceptance_by_position[0] > partial.acceptance_by_position[-1]
+    weak_target, weak_draft = make_derived_pair(tmp_path / "weak", eps=1.0)
+    weak_plain, _ = run(weak_target)
+    weak_tokens, weak = run(weak_target, DraftModelProposer.from_hf(weak_draft, max_seq_len=256))
+    assert weak_tokens == weak_plain and weak.acceptance_rate < 0.1  # all-reject path
+
+
+def test_tree_paths_off_the_first_branch_are_compacted_correctly(derived_pair, plain):
+    target, _ = derived_pair
+    lens = {f"r{i}": len(p) for i, p in enumerate(prompts())}
+    tokens, stats = run(target, ScriptedTreeProposer(plain, lens), stagger=True)
+    assert tokens == plain
+    assert stats.accepted_tokens > 0 and stats.mean_accepted_length > 2  # truth0, truth1, truth2 accepted
+
+
+def test_policy_switches_off_a_useless_draft_and_keeps_the_output(derived_pair, plain, tmp_path):
+    target, _ = derived_pair
+    weak_target, weak_draft = make_derived_pair(tmp_path / "weak", eps=1.0)
+    policy = PolicyProposer(DraftModelProposer.from_hf(weak_draft, max_seq_len=256),
+                            PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
+    tokens, stats = run(target, policy)
+    assert tokens == plain
+    assert stats.spec_steps <= 3 * 8  # every request stopped speculating after its window
+
+
+def next_token_law(model: LlamaModel, context: list[int], temperature: float) -> torch.Tensor:
+    """The model's sampling distribution [vocab] after `context` (a fresh forward)."""
+    logits = model([SequenceInput(context, 0, list(range(8)))], model.new_kv_cache(8, 32)).logits[0]
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def test_sampled_speculation_follows_the_target_distribution(derived_pair):
+    """1200 sampled requests through the engine with a draft model (lossless rejection sampling).
+
+    Token 1 comes from the prefill; tokens 2 and 3 from speculative steps. Given the most frequent
+    token 1 = a, the joint law of (token 2, token 3) must be p(b | prompt a) * p(c | prompt a b):
+    chi-square at alpha = 1e-3, fixed seeds. The same check must reject the draft's own law.
+    """
+    from tests.test_rejection_sampler import ALPHA, chi_square_pvalue
+
+    target, draft = derived_pair
+    model, draft_model = LlamaModel.from_hf(target, "float32"), LlamaModel.from_hf(draft, "float32")
+    prompt, temperature, n = prompts(1, seed=3)[0], 3.0, 1200  # temperature 3 spreads the x8-sharpened logits
+    engine = LLMEngine(model, EngineConfig(max_batch_size=8, max_draft_len=4, max_seq_len=256, max_input_len=128),
+                       DraftModelProposer(draft_model, max_seq_len=256))
+    outputs: dict[str, list[int]] = {}
+    for i in range(n):
+        engine.add_request(Request(f"s{i}", prompt, 3, SamplingParams(temperature=temperature, seed=1000 + i),
+                                   num_draft_tokens=3))
+        while len(engine.waiting) + len(engine.running) >= 8 or (i == n - 1 and engine.has_unfinished()):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.stats.spec.draft_tokens > 0
+    a = max(set(o[0] for o in outputs.values()), key=lambda t: sum(o[0] == t for o in outputs.values()))
+    pairs = torch.tensor([o[1] * 512 + o[2] for o in outputs.values() if o[0] == a])
+
+    def joint_law(m: LlamaModel) -> torch.Tensor:
+        second = next_token_law(m, prompt + [a], temperature)  # [vocab]
+        joint = torch.zeros(512, 512)
+        for b in second.topk(40).indices.tolist():  # the rest carries < 1e-3 of the mass: pooled as zero
+            joint[b] = second[b] * next_token_law(m, prompt + [a, b], temperature)
+        return joint.flatten() / joint.sum()
+
+    counts = torch.bincount(pairs, minlength=512 * 512)
+    assert chi_square_pvalue(counts, joint_law(model)) > ALPHA
+    assert chi_square_pvalue(counts, joint_law(draft_model)) < ALPHA
