@@ -1,12 +1,11 @@
 """Proposers without an engine: n-gram lookup, tree building, the policy wrapper, metrics."""
 
 import pytest
-import torch
 
 from pipeline.reference.metrics import SpecStats, aggregate
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
-from pipeline.reference.tree import node_depths, path_to, tree_attention_mask, tree_from_choices
+from pipeline.reference.tree import node_depths, path_to, tree_from_choices
 
 
 def test_ngram_proposes_the_continuation_of_the_longest_suffix_match():
@@ -50,12 +49,6 @@ def test_tree_from_choices_orders_breadth_first_and_links_parents():
 def test_tree_missing_prefix_is_a_clear_error():
     with pytest.raises(ValueError, match=r"\[0, 1\] has no parent path \[0\]"):
         tree_from_choices([[1], [0, 1]])
-
-
-def test_tree_attention_mask_sees_ancestors_only():
-    mask = tree_attention_mask([-1, -1, 0])  # rows: root, n0, n1, n2 (child of n0)
-    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    assert torch.equal(mask, expected)
 
 
 class FixedProposer:

@@ -1,11 +1,12 @@
-"""Token trees for tree speculation (Medusa, EAGLE): parents, depths, attention masks, paths.
+"""Token trees for tree speculation (Medusa, EAGLE): choices, parents, depths, paths.
 
 A draft tree has N nodes, numbered 0..N-1 in breadth-first order (a parent always comes before its
 children). `parents[j]` is the parent node of node j, or -1 when node j hangs off the root. The root
 is the last committed token: it is not a draft node, but the target runs it in the same forward.
 
 The target forward over a tree has N + 1 rows: row 0 is the root, row j + 1 is node j. Each row
-attends to the committed context, and inside the tree to itself and its ancestors only.
+attends to the committed context, and inside the tree to itself and its ancestors only, at position
+root position + depth (the engine passes the parents to `LlamaModel`, which builds that mask).
 
 Static trees come from `medusa_choices` / `eagle_choices` (TensorRT-LLM's format): each choice is a
 path of top-k ranks, e.g. (0, 1) = "the second-best token after the best first token".
@@ -14,8 +15,6 @@ path of top-k ranks, e.g. (0, 1) = "the second-best token after the best first t
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 Choices = tuple[tuple[int, ...], ...]
 
@@ -79,26 +78,3 @@ def path_to(parents: list[int] | tuple[int, ...], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
-
-
-def tree_attention_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """Attention among the N + 1 tree rows (root first): row r may see row c iff c is r or an ancestor of r.
-
-    Returns a bool tensor [N + 1, N + 1]; True = attend. Combine it with full attention to the
-    committed context. For a chain this is the usual causal mask.
-    """
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # [rows, rows]
-    mask[:, 0] = True  # everyone sees the root
-    mask[0, 0] = True
-    for j, parent in enumerate(parents):
-        if parent >= j:
-            raise ValueError(f"tree node {j} has parent {parent}: parents must come before their children")
-        mask[j + 1] = mask[parent + 1]  # inherit the parent's ancestors (the root's row for parent -1)
-        mask[j + 1, j + 1] = True
-    return mask
-
-
-def tree_position_offsets(parents: list[int] | tuple[int, ...]) -> list[int]:
-    """Position of every tree row relative to the root's position: 0 for the root, then node depths."""
-    return [0] + node_depths(parents)
