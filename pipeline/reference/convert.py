@@ -2,7 +2,7 @@
 
 convert: dtype cast, weight-only int8 (per channel) / int4 (grouped) / fp8 (per channel, float8_e4m3fn)
 quantization of the decoder's linear layers, Medusa heads or EAGLE weights added to the target.
-quantize (calibrated qformats, on min(calib_size, 16) sequences of 128 tokens of local text):
+quantize (calibrated qformats, on min(calib_size, 8) sequences of 128 tokens of local text):
 - int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023): per input (q/k/v share one, as do
   gate/up), s = mean|x|^alpha with alpha searched on a grid to minimize the output error of the int4
   weights on calibration inputs; the weight is quantized as w * s and `pre_quant_scale` = 1/s scales the input.
@@ -28,7 +28,7 @@ from pipeline.reference.checkpoint import (CONFIG_FILE, DTYPES, KV_CACHE_QUANT_A
                                            int4_values, is_quantized_linear, quantize_linear, save_engine)
 from pipeline.reference.model import config_from_hf
 
-CALIB_SEQUENCES = 16
+CALIB_SEQUENCES = 8
 CALIB_SEQ_LEN = 128
 CALIB_ROWS = 128  # input rows kept per linear for the AWQ scale search
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -83,7 +83,7 @@ def calibration_inputs(model_dir: Path, calib_size: int) -> dict[str, dict[str, 
     handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and is_quantized_linear(name + ".weight")]
     with torch.no_grad():
-        model(batch)
+        model.model(input_ids=batch)  # the decoder only: the output layer is not quantized, its logits are not needed
     for h in handles:
         h.remove()
     return stats
