@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
 
-.PHONY: repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
+.PHONY: trained-pair bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ plan: venv
 # The trained stand-in pair for the engine benchmark (6-layer/384 target, 1-layer/128 draft; minutes, cached).
 trained-pair: venv
 	$(PY) -m pipeline.trainpair --out models/trained-pair
+
+# Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
+# Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
+bench-engine: venv models trained-pair
+	$(PY) -m pipeline.bench_engine $(ARGS)
 
 engines: venv
 	PY=$(PY) bash build/engines.sh $(SPEC) $(ARGS)
