@@ -87,6 +87,7 @@ class DeployPlan:
     checkpoints: tuple[Checkpoint, ...]
     model_names: tuple[str, ...]
     kv_fractions: tuple[float, float | None]  # target, draft (None without a draft)
+    acceptance_floor: float  # below this acceptance rate speculation costs more than it saves
     namespace: str | None
     trtllm_script: str | None  # the plan's build script with the pods' paths (trtllm only)
 
@@ -128,6 +129,7 @@ class DeployPlan:
             "MAX_DRAFT_LEN": str(s.max_draft_len),
             "NUM_DRAFT_TOKENS": str(s.num_draft_tokens),
             "MIN_ACCEPTANCE_RATE": str(s.min_acceptance_rate),
+            "ACCEPTANCE_FLOOR": str(self.acceptance_floor),
             "TRITON_MODELS": ",".join(self.model_names),
             "KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET": str(kv_target),
             "KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT": "" if kv_draft is None else str(kv_draft),
@@ -135,6 +137,24 @@ class DeployPlan:
 
 
 # ----------------------------------------------------------------------------- planning
+
+
+def acceptance_floor(spec: Spec) -> float:
+    """The acceptance rate r (accepted / drafted tokens) below which speculation costs more than it saves.
+
+    Decoding is memory-bound: a draft step costs c = draft weight bytes / target weight bytes of a
+    target step, and verifying K tokens costs about one target step. A round then costs K*c + 1
+    target steps and yields 1 + r*K tokens (accepted drafts plus the target's own token), so it beats
+    plain decoding only while r > c. Never below the spec's speculative.min_acceptance_rate; modes
+    without a draft model (n-gram, Medusa, EAGLE heads) use that alone.
+    """
+    floor = spec.speculative.min_acceptance_rate
+    if spec.speculative.mode != "draft_target":
+        return floor
+    from pipeline.checkpoints import inspect_spec
+
+    weights = {e.role: e.weight_bytes for e in inspect_spec(spec).memory.engines}
+    return round(max(floor, weights["draft"] / weights["target"]), 3)
 
 
 def overlay_toolchain(overlay: Path) -> str:
@@ -212,7 +232,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
         script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
-                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)),
+                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(spec),
                       namespace=namespace, trtllm_script=script)
 
 
@@ -301,7 +321,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
         {"record": ACCEPTANCE_RECORD,
          "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"},
     ]
-    threshold = d.spec.speculative.min_acceptance_rate
+    threshold = d.acceptance_floor
     alerts = []
     if d.spec.speculative.mode != "none":
         alerts.append({
@@ -312,9 +332,10 @@ def prometheus_rule(d: DeployPlan) -> dict:
             "annotations": {
                 "summary": f"Speculative decoding acceptance of {d.spec.name} fell below {threshold:.0%}",
                 "description": ("{{ $labels.model }} in {{ $labels.namespace }} accepts {{ $value | humanizePercentage }} "
-                                f"of draft tokens, below speculative.min_acceptance_rate ({threshold}): verifying "
-                                "drafts now costs more than it saves. Check that the traffic matches what the draft "
-                                "was trained on, lower num_draft_tokens, or set speculative.mode: none."),
+                                f"of draft tokens, below {threshold} (the draft/target cost ratio, or "
+                                "speculative.min_acceptance_rate): drafting and verifying now cost more than they "
+                                "save. Check that the traffic matches what the draft was trained on, lower "
+                                "num_draft_tokens, or set speculative.mode: none."),
             },
         })
     groups = [{"name": "specdeploy-triton", "interval": "15s", "rules": rules}]

@@ -311,7 +311,8 @@ def test_monitoring_objects_structurally(rendered, case):
     assert "nv_inference_compute_infer_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
     assert {deploy.DRAFT_TOKENS_METRIC, deploy.ACCEPTED_TOKENS_METRIC} <= promql_metric_names(records[deploy.ACCEPTANCE_RECORD])
     (alert,) = [r for r in rules if "alert" in r]
-    assert alert["expr"].endswith(f"< {d.spec.speculative.min_acceptance_rate}")
+    assert alert["expr"].endswith(f"< {d.acceptance_floor}")
+    assert d.acceptance_floor >= d.spec.speculative.min_acceptance_rate
     assert deploy.ACCEPTANCE_RECORD in alert["expr"] and f'namespace="{d.namespace}"' in alert["expr"]
 
 
@@ -786,3 +787,18 @@ def test_stage_downloads_exactly_the_digested_files_with_the_token(workdir, clus
     assert [line.split(":")[0] for line in deploy.stage_checkpoints(files / "checkpoints.json")] == ["target", "medusa"]
     assert [c["repo_id"] for c in calls] == ["org/target", "org/medusa"] and {c["token"] for c in calls} == {"hf_test"}
     assert "README.md" not in calls[0]["allow_patterns"] and "config.json" in calls[0]["allow_patterns"]
+
+
+def test_acceptance_floor_is_the_draft_to_target_cost_ratio(workdir):
+    """A round of K drafts costs K*c + 1 target steps and yields 1 + r*K tokens: it pays only while r > c."""
+    from pipeline.checkpoints import inspect_spec
+
+    spec = load_spec(workdir / "cpu-reference.yaml")
+    weights = {e.role: e.weight_bytes for e in inspect_spec(spec).memory.engines}
+    cost_ratio = weights["draft"] / weights["target"]
+    assert spec.speculative.min_acceptance_rate < cost_ratio < 1  # the tiny draft is a quarter of the layers
+    assert deploy.acceptance_floor(spec) == round(cost_ratio, 3)
+    cheaper = load_spec(workdir / "cpu-reference.yaml", ["models.draft.qformat=int8_wo"])
+    assert deploy.acceptance_floor(cheaper) < deploy.acceptance_floor(spec)  # a cheaper draft pays off sooner
+    heads = load_spec(workdir / "gpu-medusa.yaml", ["speculative.min_acceptance_rate=0.3"])
+    assert deploy.acceptance_floor(heads) == 0.3
