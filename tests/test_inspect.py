@@ -175,3 +175,16 @@ def test_truncated_draft_is_compatible_by_construction(spec_file, derived_pair, 
     names = safetensors_header(draft / "model.safetensors")
     assert "model.layers.1.mlp.up_proj.weight" in names and "model.layers.2.mlp.up_proj.weight" not in names
     assert make_truncated_draft(derived_pair[0], tmp_path / "draft-l2", num_layers=2) == draft  # cached: no rework
+
+
+def test_inspect_cli_reports_incompatible_tokenizers_in_one_line(spec_file, draft_copy):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    make_tokenizer(draft_copy, vocab_size=400)
+    result = subprocess.run([sys.executable, "-m", "pipeline", "inspect", str(spec_file), "--set",
+                             f"models.draft.checkpoint={draft_copy}"], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: models.draft.checkpoint: tokenizer differs")
