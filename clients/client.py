@@ -280,10 +280,26 @@ def _http_transport_error(error: httpx.HTTPError, url: str, model: str) -> Clien
                        "is the server running (make serve) and is the port right?")
 
 
-def _sse_payloads(lines: Iterator[str]) -> Iterator[dict]:
-    for line in lines:
-        if line.startswith("data:"):
-            yield json.loads(line[5:])
+def _sse_delta(line: str, model: str, start: float) -> Delta | None:
+    """The Delta of one generate_stream line (None for lines that carry no event)."""
+    if not line.startswith("data:"):
+        return None
+    payload = json.loads(line[5:])
+    if "error" in payload:
+        raise _stream_error(payload["error"], model)
+    return _http_delta(payload, start)
+
+
+def _generate_path(model: str, stream: bool) -> str:
+    return f"/v2/models/{model}/{'generate_stream' if stream else 'generate'}"
+
+
+def _stream_response(message: service_pb2.ModelStreamInferResponse, model: str, start: float) -> tuple[Delta | None, bool]:
+    """(the Delta of one gRPC stream message, or None when it carries nothing; whether it is the last)."""
+    if message.error_message:
+        raise _stream_error(message.error_message, model)
+    delta, final = _grpc_delta(message.infer_response, start)
+    return (delta if delta.text or delta.stats else None), final
 
 
 # ---------------------------------------------------------------- clients
@@ -381,11 +397,9 @@ class TritonClient:
     def _grpc_responses(self, model, request, stream, start) -> Iterator[Delta]:
         call = self._stub.ModelStreamInfer(iter([_grpc_request(model, request, stream)]), timeout=self.timeout_s)
         try:
-            for response in call:
-                if response.error_message:
-                    raise _stream_error(response.error_message, self.model)
-                delta, final = _grpc_delta(response.infer_response, start)
-                if delta.text or delta.stats:
+            for message in call:
+                delta, final = _stream_response(message, self.model, start)
+                if delta:
                     yield delta
                 if final:
                     return
@@ -396,19 +410,17 @@ class TritonClient:
 
     def _http_responses(self, model, request, stream, start) -> Iterator[Delta]:
         body = model.encode(request.wire_fields(stream))
-        path = f"/v2/models/{self.model}/{'generate_stream' if stream else 'generate'}"
         try:
-            with self._http.stream("POST", path, json=body, headers={"X-Request-Id": request.request_id}) as response:
+            with self._http.stream("POST", _generate_path(self.model, stream), json=body) as response:
                 if response.status_code != 200:
                     response.read()
                     raise _http_error(response, self.url, self.model)
                 if not stream:
                     yield _http_delta(json.loads(response.read()), start)
                     return
-                for payload in _sse_payloads(response.iter_lines()):
-                    if "error" in payload:
-                        raise _stream_error(payload["error"], self.model)
-                    yield _http_delta(payload, start)
+                for line in response.iter_lines():
+                    if delta := _sse_delta(line, self.model, start):
+                        yield delta
         except httpx.HTTPError as error:
             raise _http_transport_error(error, self.url, self.model) from None
 
@@ -514,25 +526,21 @@ class AsyncTritonClient:
     async def _grpc_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
         call = self._stub.ModelStreamInfer(iter([_grpc_request(model, request, stream)]), timeout=self.timeout_s)
         try:
-            async for response in call:
-                if response.error_message:
-                    raise _stream_error(response.error_message, self.model)
-                delta, final = _grpc_delta(response.infer_response, start)
-                if delta.text or delta.stats:
+            async for message in call:
+                delta, final = _stream_response(message, self.model, start)
+                if delta:
                     yield delta
                 if final:
                     return
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
-            call.cancel()
+            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
 
     async def _http_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
         body = model.encode(request.wire_fields(stream))
-        path = f"/v2/models/{self.model}/{'generate_stream' if stream else 'generate'}"
         try:
-            async with self._http.stream("POST", path, json=body,
-                                         headers={"X-Request-Id": request.request_id}) as response:
+            async with self._http.stream("POST", _generate_path(self.model, stream), json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise _http_error(response, self.url, self.model)
@@ -540,11 +548,7 @@ class AsyncTritonClient:
                     yield _http_delta(json.loads(await response.aread()), start)
                     return
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = json.loads(line[5:])
-                    if "error" in payload:
-                        raise _stream_error(payload["error"], self.model)
-                    yield _http_delta(payload, start)
+                    if delta := _sse_delta(line, self.model, start):
+                        yield delta
         except httpx.HTTPError as error:
             raise _http_transport_error(error, self.url, self.model) from None
