@@ -239,6 +239,16 @@ class LlamaModel(torch.nn.Module):
         return out
 
 
+def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of token_ids[1:] given their prefixes, from one prefill."""
+    block_size = 32
+    kv = model.new_kv_cache(-(-len(token_ids) // block_size), block_size)
+    seq = SequenceInput(token_ids, 0, list(range(kv.num_blocks)), logits_rows=list(range(len(token_ids) - 1)))
+    logits = model([seq], kv).logits  # [N - 1, vocab]
+    nll = F.cross_entropy(logits, torch.tensor(token_ids[1:]))
+    return float(nll.exp())
+
+
 @dataclass
 class _AttentionPlan:
     """Index tensors of one forward, computed once and shared by every layer."""
