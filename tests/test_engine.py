@@ -292,3 +292,26 @@ def test_duplicate_request_id_is_refused(model):
     engine.add_request(Request("same", [1, 2, 3]))
     with pytest.raises(EngineInputError, match="request_id"):
         engine.add_request(Request("same", [4, 5]))
+
+
+def test_from_engine_dir_takes_the_build_limits(tiny_llama, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from pipeline.reference.checkpoint import save_engine
+    from pipeline.reference.model import config_from_hf
+
+    pretrained = config_from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    pretrained["quantization"]["kv_cache_quant_algo"] = "INT8"
+    build = {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 64, "max_num_tokens": 64, "max_draft_len": 2,
+             "plugin_config": {"tokens_per_block": 8}}
+    save_engine(tmp_path, {"pretrained_config": pretrained, "build_config": build}, load_file(tiny_llama / "model.safetensors"))
+    engine = LLMEngine.from_engine_dir(tmp_path)
+    cfg = engine.config
+    assert (cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, cfg.max_draft_len, cfg.tokens_per_block) == (2, 16, 64, 2, 8)
+    assert engine.kv.quantized
+    with pytest.raises(EngineInputError, match="max_input_len 16"):
+        engine.add_request(Request("long", [1] * 17))
+    res = run(engine, {0: [Request("a", [1, 2, 3], max_new_tokens=5, draft_tokens=[4, 5])]})
+    assert 1 <= len(res["a"]["tokens"]) <= 3
