@@ -245,6 +245,8 @@ class Frontend:
                 yield sse(ApiError.from_client_error(error).body())
                 yield sse("[DONE]")
                 return
+            finally:
+                await deltas_iter.aclose()  # a client that disconnects cancels its Triton request
             done = Completion.from_deltas(request, deltas, time.perf_counter() - start)
             yield sse({**chunk("", done.finish_reason), "speculation": speculation(done)})
             if include_usage:
