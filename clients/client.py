@@ -101,6 +101,7 @@ class Delta:
     text: str
     stats: dict[str, float]  # subset of STAT_OUTPUTS present in this response
     time_s: float  # seconds since the request was sent
+    request_id: str = ""  # the id the server echoed
 
 
 @dataclass
@@ -206,7 +207,7 @@ def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple
     result = InferResult(response)
     final = response.parameters["triton_final_response"].bool_param
     if not response.outputs:  # the empty final response
-        return Delta("", {}, time.perf_counter() - start), final
+        return Delta("", {}, time.perf_counter() - start, response.id), final
     text_array = result.as_numpy("text_output")
     text = b"".join(np.asarray(text_array).reshape(-1)).decode("utf-8", "replace") if text_array is not None else ""
     stats = {}
@@ -214,7 +215,7 @@ def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple
         array = result.as_numpy(name)
         if array is not None:
             stats[name] = float(np.asarray(array).reshape(-1)[0])
-    return Delta(text, stats, time.perf_counter() - start), final
+    return Delta(text, stats, time.perf_counter() - start, response.id), final
 
 
 def _grpc_error(error: grpc.RpcError, url: str, model: str) -> ClientError:
@@ -258,7 +259,7 @@ def _http_delta(payload: dict, start: float) -> Delta:
     stats = {name: float(payload[name]) for name in STAT_OUTPUTS if name in payload}
     text = payload.get("text_output", "")
     text = "".join(text) if isinstance(text, list) else text
-    return Delta(text, stats, time.perf_counter() - start)
+    return Delta(text, stats, time.perf_counter() - start, payload.get("id", ""))
 
 
 def _http_error(response: httpx.Response, url: str, model: str) -> ClientError:
@@ -409,7 +410,7 @@ class TritonClient:
             call.cancel()  # no-op when finished; stops the server's work when the caller stops early
 
     def _http_responses(self, model, request, stream, start) -> Iterator[Delta]:
-        body = model.encode(request.wire_fields(stream))
+        body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}
         try:
             with self._http.stream("POST", _generate_path(self.model, stream), json=body) as response:
                 if response.status_code != 200:
@@ -538,7 +539,7 @@ class AsyncTritonClient:
             call.cancel()  # no-op when finished; stops the server's work when the caller stops early
 
     async def _http_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
-        body = model.encode(request.wire_fields(stream))
+        body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}
         try:
             async with self._http.stream("POST", _generate_path(self.model, stream), json=body) as response:
                 if response.status_code != 200:
