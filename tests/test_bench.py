@@ -87,6 +87,20 @@ def test_speculation_is_lossless_in_the_bench(report):
     assert by_k[0] == by_k[2] and len(by_k[0]) == 2
 
 
+def test_http_protocol_gives_the_same_tokens(report, triton_server):
+    result, _ = report
+    cfg = BenchConfig(**{**result["config"], "url": triton_server.http_url, "protocol": "http",
+                         "concurrency": [2], "ks": [2]})
+    http = asyncio.run(run_bench(cfg, show_progress=False))
+    (cell,) = http["cells"]
+    grpc_cell = cells(result, concurrency=2, k=2)[0]
+    def tokens(c):
+        return sorted((r["prompt_index"], r["num_output_tokens"], r["text_chars"]) for r in c["records"])
+
+    assert cell["errors"] == 0 and tokens(cell) == tokens(grpc_cell)
+    assert cell["total_draft_tokens"] == grpc_cell["total_draft_tokens"] == cell["server_draft_tokens"]
+
+
 def test_report_files_and_recommendations(report):
     result, paths = report
     names = sorted(p.name for p in paths)
