@@ -11,7 +11,7 @@ from pathlib import Path
 
 BUILTIN_SETS = ("chat", "code", "summarize")
 DEFAULT_CONCURRENCY, FULL_CONCURRENCY = (1, 4), (1, 4, 8, 16)
-DEFAULT_KS, FULL_KS = (0, 2, 4), tuple(range(9))
+DEFAULT_KS, FULL_KS = (0, 2, 5), tuple(range(9))
 
 
 def _ints(text: str) -> list[int]:
@@ -28,8 +28,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_ints, help=f"default {','.join(map(str, DEFAULT_CONCURRENCY))}")
     p.add_argument("--k", type=_ints, help=f"draft tokens per round to sweep (0 = off); default {','.join(map(str, DEFAULT_KS))}")
     p.add_argument("--full", action="store_true", help="full sweep: concurrency 1,4,8,16 and K 0..8")
-    p.add_argument("--requests", type=int, default=8, help="requests per cell (at least the concurrency)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests", type=int, default=4, help="requests per cell (at least the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model", default="ensemble")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
