@@ -220,6 +220,19 @@ async def run_cell(client: AsyncTritonClient, requests: list[GenerateRequest], c
     return records, errors, time.perf_counter() - start
 
 
+async def supported_ks(client: AsyncTritonClient, ks: list[int]) -> list[int]:
+    """The Ks the server accepts: those up to the BLS's max_draft_len (all of them when it is not readable)."""
+    try:
+        params = (await client.model_config("tensorrt_llm_bls")).get("parameters", {})
+        limit = int(params["max_draft_len"]["string_value"])
+    except (ClientError, KeyError, ValueError):
+        return ks
+    skipped = [k for k in ks if k > limit]
+    if skipped:
+        print(f"note: the server's max_draft_len is {limit}; skipping K={','.join(map(str, skipped))}", file=sys.stderr)
+    return [k for k in ks if k <= limit]
+
+
 async def warm_up(client: AsyncTritonClient, prompt_set: PromptSet, template: ChatTemplate,
                   sampling: SamplingParams) -> None:
     """Send every prompt once with max_tokens=1; a prompt the server refuses stops the bench here."""
@@ -242,16 +255,17 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
         else:
             directory = tokenizer_dir_of(await client.model_config("preprocessing"))
             template = ChatTemplate.from_tokenizer_dir(directory) if directory and Path(directory).is_dir() else ChatTemplate()
+        ks = await supported_ks(client, cfg.ks)
         sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
         counts = {c: max(cfg.requests_per_cell, c) for c in cfg.concurrency}
-        total = len(sets) * len(cfg.ks) * sum(counts.values())
+        total = len(sets) * len(ks) * sum(counts.values())
         cells = []
         for prompt_set in sets:
             await warm_up(client, prompt_set, template, sampling)
         with tqdm(total=total, desc="bench", unit="req", disable=not show_progress, file=sys.stderr) as progress:
             for prompt_set in sets:
                 for concurrency in cfg.concurrency:
-                    for k in cfg.ks:
+                    for k in ks:
                         progress.set_description(f"{prompt_set.name} C={concurrency} K={k}")
                         requests = prompt_set.requests(template, cfg.max_tokens, k, sampling)
                         before = scrape_spec_metrics(cfg.metrics_url)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.bench import BenchConfig, PromptSet, compare, run_bench, write_report
-from clients.client import ClientError
+from clients.bench import BenchConfig, PromptSet, compare, run_bench, supported_ks, write_report
+from clients.client import AsyncTritonClient, ClientError
 from pipeline.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,15 @@ def test_compare_side_by_side(report, tmp_path):
     out = subprocess.run([sys.executable, "-m", "clients.bench", "compare", str(paths[0].parent / "bench.json"), str(b)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.count("| tiny |") == 4
+
+
+def test_ks_beyond_the_servers_max_draft_len_are_skipped(triton_server, capsys):
+    async def check():
+        async with AsyncTritonClient(triton_server.grpc_url) as client:
+            return await supported_ks(client, [0, 2, 4, 5, 8])
+
+    assert asyncio.run(check()) == [0, 2, 4]  # the fixture's engines have max_draft_len 4
+    assert "skipping K=5,8" in capsys.readouterr().err
 
 
 def test_bench_errors_are_one_line(tmp_path):
