@@ -5,6 +5,7 @@ Greedy outputs are compared with plain Hugging Face greedy decoding of the targe
 
 import json
 import queue
+import time
 import urllib.error
 import urllib.request
 
@@ -331,3 +332,25 @@ def _metric(triton_server, name: str) -> float:
             if line.startswith(name + "{") and 'model="tensorrt_llm_bls"' in line:
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_cancelled_stream_stops_its_work(triton_server):
+    """A client that cancels its stream: the BLS stops generating (it logs how far it got) and keeps serving."""
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    max_tokens = 200
+    client.async_stream_infer("tensorrt_llm_bls", grpc_inputs(text_request(prompts(5)[4], max_tokens, stream=True,
+                                                                            num_draft_tokens=0)), request_id="c")
+    first = got.get(timeout=60)
+    assert not isinstance(first, InferenceServerException), first
+    client.stop_stream(cancel_requests=True)
+    log = triton_server.server.log_file
+    deadline = time.monotonic() + 60
+    while "request cancelled after" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(l for l in log.read_text().splitlines() if "request cancelled after" in l)
+    stopped_at = int(line.split("request cancelled after ")[1].split(" of ")[0])
+    assert stopped_at < max_tokens
+    (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(prompts(1)[0], 4)])
+    assert joined_text(results)

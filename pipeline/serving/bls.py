@@ -28,7 +28,10 @@ from pipeline.reference.sampling import SamplingParams, find_stop
 from pipeline.serving.params import BlsSettings, RequestError, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
-ROUNDS_BEFORE_ACCEPTANCE_CHECK = 4  # rounds a request speculates before min_acceptance_rate may switch it off
+ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before min_acceptance_rate may switch it off
+# Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
+# BLS sub-request, so a cancelled request stops within one chunk.
+PLAIN_CHUNK_TOKENS = 64
 
 
 class ModelError(RuntimeError):
@@ -92,11 +95,12 @@ class SpeculativeDecoder:
     """Runs text requests against the target (and draft) models; see the module docstring."""
 
     def __init__(self, settings: BlsSettings, client: ModelClient, metrics: SpecMetricsSink,
-                 log_warning: Callable[[str], None] = print):
+                 log_warning: Callable[[str], None] = print, log_info: Callable[[str], None] = print):
         self.settings = settings
         self.client = client
         self.metrics = metrics
         self.log_warning = log_warning
+        self.log_info = log_info
         self.ngram = NgramProposer(settings.ngram_min, settings.ngram_max) if settings.speculative_mode == "ngram" else None
 
     def check_limits(self, req: TextRequest) -> None:
@@ -152,14 +156,22 @@ class SpeculativeDecoder:
             if (stats.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and stats.total_draft_tokens
                     and stats.acceptance_rate < self.settings.min_acceptance_rate):
                 speculate = False
+        if cancelled():
+            self.log_info(f"tensorrt_llm_bls: request cancelled after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int,
                      cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
-        async for new in self.client.stream(self.settings.target_model, req.prompt_ids + generated, max_new, req,
-                                            _round_seed(req, len(generated))):
-            yield new
-            if cancelled():
+        done = 0
+        while done < max_new:
+            chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
+            got = 0
+            async for new in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
+                                                _round_seed(req, len(generated))):
+                got += len(new)
+                yield new  # the caller appends it to `generated`
+            done += got
+            if got < chunk or cancelled():  # the target stopped (end_id / stop word), or the client left
                 return
 
     async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[list[int], int, int, bool]:

@@ -23,7 +23,8 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(self.settings.tokenizer_dir)
         self.client = TritonModelClient()
         self.metrics = SpecMetrics(args["model_name"], self.settings.max_draft_len)
-        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn)
+        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn,
+                                          pb_utils.Logger.log_info)
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -42,7 +43,8 @@ class TritonPythonModel:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
                     sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
         except Exception as exc:  # every error path closes the request, or its client waits forever
-            triton_io.send_final_error(sender, exc)
+            if not request.is_cancelled():
+                triton_io.send_final_error(sender, exc)
 
     def finalize(self):
         self.client.close()
