@@ -187,9 +187,8 @@ class LlamaModel(torch.nn.Module):
         return F.linear(x, weight, bias)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(self.dtype)
+        # as HF: normalise in fp32, cast back, then scale (.float() / .to() are no-ops in fp32)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos, signed_sin: [T, 1, D]. HF's rotate_half(x) * sin == roll(x, D/2) * signed_sin
