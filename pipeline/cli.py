@@ -21,6 +21,9 @@ from pipeline.spec import SpecError, load_spec
 SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "pipeline.demo"]
 
 
+BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
+
+
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """The SPEC positional and repeatable `--set key.path=value` overrides."""
     parser.add_argument("spec", help="the spec YAML file, e.g. examples/default.yaml")
@@ -85,8 +88,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; other modules' subcommands are imported unless `command` is one of ours."""
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -113,14 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="models", help="folder for the checkpoints (default: models)")
     p.set_defaults(func=cmd_models)
 
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).add_parser(sub)
+    if command not in BUILTIN_COMMANDS:  # keeps `engines` on a cache hit free of their imports
+        for name in SUBCOMMAND_MODULES:
+            importlib.import_module(name).add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors become one line on stderr and exit code 2."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except SpecError as err:
