@@ -146,7 +146,7 @@ class Completion:
 
 @dataclass
 class ModelInputs:
-    """What a served model accepts: input name -> (Triton datatype, shape) and whether it is batched."""
+    """What a served model accepts: input name -> (Triton datatype, shape; a leading -1 = batched)."""
 
     name: str
     inputs: dict[str, tuple[str, list[int]]]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.bench import BenchConfig, PromptSet, compare, run_bench, supported_ks, write_report
+from clients.bench import (BenchConfig, PromptSet, add_speedups, compare, recommend, run_bench, supported_ks,
+                           write_report)
 from clients.client import AsyncTritonClient, ClientError
 from pipeline.server import free_ports
 
@@ -152,6 +153,19 @@ def test_bench_errors_are_one_line(tmp_path):
         PromptSet.load(str(bad))
     with pytest.raises(ClientError, match="neither a built-in set"):
         PromptSet.load("no-such-set")
+
+
+def test_recommend_picks_the_fastest_k_that_beats_speculation_off():
+    def cell(name, conc, k, tok_s):
+        return {"prompt_set": name, "concurrency": conc, "k": k, "output_tokens_per_s": tok_s, "acceptance_rate": 0.5}
+
+    grid = [cell("code", 1, 0, 10.0), cell("code", 1, 3, 14.0), cell("code", 1, 5, 12.0),
+            cell("code", 8, 0, 40.0), cell("code", 8, 3, 40.5), cell("chat", 1, 0, 10.0), cell("chat", 1, 2, 8.0)]
+    add_speedups(grid)
+    recs = {(r["prompt_set"], r["concurrency"]): r for r in recommend(grid)}
+    assert recs["code", 1]["k"] == 3 and recs["code", 1]["speedup"] == pytest.approx(1.4)
+    assert recs["code", 8]["k"] == 0  # 1.0125x is inside the 2% margin
+    assert recs["chat", 1]["k"] == 0 and "no K beat" in recs["chat", 1]["reason"]
 
 
 def test_builtin_prompt_sets_load():
