@@ -65,6 +65,10 @@ serve: venv repo
 demo: venv models
 	$(PY) -m pipeline demo $(SPEC) $(ARGS)
 
+# Triton vs engine throughput (concurrency 1 and 8) and per-round orchestration overhead -> docs/benchmarks.md.
+bench-serve: venv models
+	$(PY) -m pipeline.bench_serve $(SPEC) $(ARGS)
+
 deploy-check: deploy-render
 	$(PY) -m pytest tests/test_deploy.py $(ARGS)
 

@@ -1,0 +1,243 @@
+"""`make bench-serve`: what Triton costs on top of the engine, on the spec's models (issue 4, section 8).
+
+Same requests, three ways, in one run:
+- engine: the target's EngineRunner in this process, plain decoding (the engine's own throughput);
+- local BLS: the BLS orchestrator (SpeculativeDecoder) over in-process engines; the time the engine
+  spends in step() is measured, the rest of each round is orchestration;
+- Triton: the same requests to tensorrt_llm_bls on the real server.
+Reports tokens/s at concurrency 1 and 8 (Triton vs engine), and per speculative round at batch 1 the
+time outside model execution (Triton round time minus the engine's step time for the same rounds).
+Writes the table into docs/benchmarks.md between BEGIN/END markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
+PLAIN_TOKENS = 64
+
+
+class NoMetrics:
+    """A metrics sink that keeps nothing (the benchmark counts rounds itself)."""
+
+    def round(self, proposed: int, accepted: int) -> None:
+        """Ignore."""
+
+    def fallback(self) -> None:
+        """Ignore."""
+
+
+def timed_runner(engine_dir: Path, busy: list[float]):
+    """An EngineRunner whose engine adds its step() seconds to busy[0]."""
+    from pipeline.reference.engine import LLMEngine
+    from pipeline.reference.runner import EngineRunner
+
+    max_seq_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_seq_len"]
+    engine = LLMEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)  # as the tensorrt_llm model does
+    step = engine.step
+
+    def timed_step():
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            busy[0] += time.perf_counter() - start
+
+    engine.step = timed_step
+    return EngineRunner(engine)
+
+
+def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[float, int]:
+    """(seconds, tokens) for plain requests straight to the engine, `concurrency` at a time."""
+    from pipeline.reference.engine import Request
+
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), concurrency):
+        queues = [runner.submit(Request(f"e{i}-{j}", p, PLAIN_TOKENS)) for j, p in enumerate(prompts[i:i + concurrency])]
+        for q in queues:
+            while True:
+                out = q.get()
+                tokens += len(out.new_token_ids)
+                if out.finished:
+                    break
+    return time.perf_counter() - start, tokens
+
+
+async def local_bls(decoder, requests, concurrency: int) -> tuple[float, int, int]:
+    """(seconds, tokens, rounds) for text requests through the in-process orchestrator."""
+    async def one(req):
+        tokens, rounds = 0, 0
+        async for chunk in decoder.generate(req, lambda: False):
+            tokens += len(chunk.token_ids)
+            if chunk.final:
+                rounds = chunk.stats.rounds
+        return tokens, rounds
+
+    start, tokens, rounds = time.perf_counter(), 0, 0
+    for i in range(0, len(requests), concurrency):
+        for t, r in await asyncio.gather(*(one(req) for req in requests[i:i + concurrency])):
+            tokens, rounds = tokens + t, rounds + r
+    return time.perf_counter() - start, tokens, rounds
+
+
+def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurrency: int) -> tuple[float, int]:
+    """(seconds, tokens) for the same requests through Triton (gRPC streams, `concurrency` at a time)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    def inputs(text):
+        fields = {"text_input": np.array([[text.encode()]], dtype=object),
+                  "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+                  "num_draft_tokens": np.array([[k]], dtype=np.int32),
+                  "stream": np.array([[True]], dtype=bool),
+                  "return_num_output_tokens": np.array([[True]], dtype=bool)}
+        out = []
+        for name, arr in fields.items():
+            t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+            t.set_data_from_numpy(arr)
+            out.append(t)
+        return out
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    done: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: done.put((result, error)))
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(texts), concurrency):
+        batch = texts[i:i + concurrency]
+        for j, text in enumerate(batch):
+            client.async_stream_infer("tensorrt_llm_bls", inputs(text), request_id=f"{i}-{j}")
+        finished = 0
+        while finished < len(batch):
+            result, error = done.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(str(error))
+            n = result.as_numpy("num_output_tokens")
+            if n is not None:
+                tokens += int(n.reshape(-1)[0])
+                finished += 1
+    elapsed = time.perf_counter() - start
+    client.stop_stream()
+    client.close()
+    return elapsed, tokens
+
+
+def run_bench(spec, log=print) -> str:
+    """Run every measurement; returns the markdown section."""
+    from pipeline.demo import DEMO_PROMPTS, chat_prompt
+    from pipeline.execute import run_reference
+    from pipeline.repo.assemble import assemble
+    from pipeline.repo.validate import load_config
+    from pipeline.server import TritonServer, free_ports
+    from pipeline.serving.bls import SpeculativeDecoder
+    from pipeline.serving.local_client import LocalModelClient
+    from pipeline.serving.params import BlsSettings, parse_text_request
+    from pipeline.serving.text import load_tokenizer
+    from pipeline.toymodels import local_text
+
+    run_reference(spec)
+    repo = assemble(spec, "reference")
+    tokenizer = load_tokenizer(str(spec.models.target.checkpoint))
+    k = spec.speculative.num_draft_tokens
+    words = local_text(20_000).split()
+    plain_texts = [chat_prompt(tokenizer, "Continue this text: " + " ".join(words[i * 40:i * 40 + 30])) for i in range(8)]
+    spec_texts = [chat_prompt(tokenizer, q) for q in DEMO_PROMPTS]
+    bls_params = {key: p.string_value for key, p in load_config(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
+    settings = BlsSettings.from_parameters(bls_params)
+
+    def requests(texts, max_tokens, draft):
+        out = []
+        for t in texts:
+            inputs = {"text_input": np.array([[t.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+                      "num_draft_tokens": np.array([[draft]], dtype=np.int32)}
+            out.append(parse_text_request(inputs, settings, tokenizer))
+        return out
+
+    busy = [0.0]
+    runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
+    if spec.speculative.mode == "draft_target":
+        runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log, log_info=lambda m: None)
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
+    rows = []
+    engine_plain(runners["tensorrt_llm"], prompt_ids[:1], 1)  # warm-up
+    for conc in (1, 8):
+        texts = plain_texts if conc == 8 else plain_texts[:4]
+        secs, toks = engine_plain(runners["tensorrt_llm"], prompt_ids[:len(texts)], conc)
+        rows.append(("engine", conc, secs, toks))
+        log(f"engine plain, concurrency {conc}: {toks / secs:.1f} tok/s")
+    spec_reqs = requests(spec_texts, 96, k)
+    busy[0] = 0.0
+    local_secs, local_toks, rounds = asyncio.run(local_bls(decoder, spec_reqs, 1))
+    local_busy = busy[0]
+    log(f"local BLS speculative: {rounds} rounds, {local_secs:.2f} s, engine busy {local_busy:.2f} s")
+    for r in runners.values():
+        r.close()
+
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                      log_file=spec.out_dir / "bench-serve-triton.log") as server:
+        triton_bls(server.grpc_url, plain_texts[:1], PLAIN_TOKENS, 0, 1)  # warm-up
+        for conc in (1, 8):
+            texts = plain_texts if conc == 8 else plain_texts[:4]
+            secs, toks = triton_bls(server.grpc_url, texts, PLAIN_TOKENS, 0, conc)
+            rows.append(("triton", conc, secs, toks))
+            log(f"Triton BLS plain, concurrency {conc}: {toks / secs:.1f} tok/s")
+        triton_secs, triton_toks = triton_bls(server.grpc_url, spec_texts, 96, k, 1)
+    log(f"Triton BLS speculative: {triton_secs:.2f} s for {triton_toks} tokens")
+
+    rate = {(w, c): t / s for w, c, s, t in rows}
+    lines = [BEGIN, "## Serving overhead: Triton vs the engine (`make bench-serve`)", "",
+             f"Spec `{spec.name}` ({spec.speculative.mode}, K={k}), reference engines, one run on this machine; "
+             "ratios matter, absolute numbers depend on the load.", "",
+             "| plain decoding | engine tok/s | Triton (BLS) tok/s | Triton / engine |", "|---|---|---|---|"]
+    for conc in (1, 8):
+        lines.append(f"| concurrency {conc} | {rate['engine', conc]:.1f} | {rate['triton', conc]:.1f} | "
+                     f"{rate['triton', conc] / rate['engine', conc]:.0%} |")
+    per_round_triton = triton_secs / max(rounds, 1)
+    per_round_busy = local_busy / max(rounds, 1)
+    lines += ["", f"Speculative rounds at batch 1 ({len(spec_texts)} demo prompts, {rounds} rounds, same rounds both ways):", "",
+              "| | per round ms | outside model execution |", "|---|---|---|",
+              f"| engine step() time | {1000 * per_round_busy:.1f} | - |",
+              f"| in-process orchestrator | {1000 * local_secs / max(rounds, 1):.1f} | "
+              f"{(local_secs - local_busy) / local_secs:.0%} |",
+              f"| Triton tensorrt_llm_bls | {1000 * per_round_triton:.1f} | "
+              f"{(triton_secs - local_busy) / triton_secs:.0%} |",
+              "", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
+    return "\n".join(lines)
+
+
+def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None:
+    """Replace (or append) the bench-serve section of docs/benchmarks.md."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main(argv=None) -> int:
+    """`python -m pipeline.bench_serve SPEC`."""
+    from pipeline.spec import load_spec
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    section = run_bench(load_spec(args.spec, args.set))
+    print(section)
+    write_section(section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

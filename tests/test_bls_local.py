@@ -1,0 +1,96 @@
+"""The speculative orchestrator on real in-process engines (LocalModelClient): no server, same request path."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeline.reference.engine import LLMEngine
+from pipeline.reference.runner import EngineRunner
+from pipeline.serving.bls import SpeculativeDecoder
+from pipeline.serving.local_client import LocalModelClient
+from pipeline.serving.params import BlsSettings, parse_text_request
+from pipeline.serving.text import load_tokenizer
+
+
+class Rounds:
+    """Collects what the decoder reports per round."""
+
+    def __init__(self):
+        self.rounds, self.fallbacks = [], 0
+
+    def round(self, proposed, accepted):
+        self.rounds.append((proposed, accepted))
+
+    def fallback(self):
+        self.fallbacks += 1
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_spec_engines):
+    engines_dir = tiny_spec_engines.spec.out_dir / "engines"
+    runners = {name: EngineRunner(LLMEngine.from_engine_dir(engines_dir / role, max_input_len=63))
+               for name, role in (("tensorrt_llm", "target"), ("tensorrt_llm_draft", "draft"))}
+    yield runners, load_tokenizer(str(tiny_spec_engines.target_dir))
+    for r in runners.values():
+        r.close()
+
+
+def run(decoder, tokenizer, settings, text, max_tokens, k, **extra):
+    inputs = {"text_input": np.array([[text.encode()]], dtype=object),
+              "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+              "num_draft_tokens": np.array([[k]], dtype=np.int32), **extra}
+    req = parse_text_request(inputs, settings, tokenizer)
+
+    async def collect():
+        chunks = [c async for c in decoder.generate(req, lambda: False)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "ngram"])
+def test_speculative_equals_plain_greedy(engines, mode):
+    runners, tokenizer = engines
+    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
+                           max_input_len=48, max_seq_len=64, verify_input_len=63)
+    sink = Rounds()
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink)
+    text = "the the the cat sat on the mat and the cat sat on the"
+    plain, plain_stats = run(decoder, tokenizer, settings, text, 24, 0)
+    spec, stats = run(decoder, tokenizer, settings, text, 24, 3)
+    assert spec == plain and len(plain) == 24
+    assert plain_stats.total_draft_tokens == 0
+    assert stats.total_draft_tokens == sum(p for p, _ in sink.rounds) > 0
+    assert stats.total_accepted_draft_tokens == sum(a for _, a in sink.rounds)
+    assert all(0 <= a <= p <= 3 for p, a in sink.rounds)
+
+
+def test_stop_words_and_max_tokens(engines):
+    runners, tokenizer = engines
+    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode="draft_target",
+                           max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63)
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+    text = "a b c d e f"
+    plain, _ = run(decoder, tokenizer, settings, text, 20, 0)
+    stop_text = tokenizer.decode(plain[5:7])
+    stop_ids = tokenizer.encode(stop_text, add_special_tokens=False)
+    got, _ = run(decoder, tokenizer, settings, text, 20, 3, stop_words=np.array([[stop_text.encode()]], dtype=object))
+    # generation ends right after the first occurrence of the stop sequence (kept, as TensorRT-LLM does)
+    seq_end = next(i + len(stop_ids) for i in range(len(plain)) if plain[i:i + len(stop_ids)] == stop_ids)
+    assert got == plain[:seq_end]
+    got, _ = run(decoder, tokenizer, settings, text, 7, 3)
+    assert got == plain[:7]
+
+
+def test_draft_failure_falls_back(engines):
+    """A draft call that fails (sequence beyond the draft's limits) switches the request to plain decoding."""
+    runners, tokenizer = engines
+    settings = BlsSettings(tokenizer_dir="", draft_model="missing_draft", speculative_mode="draft_target",
+                           max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63)
+    sink = Rounds()
+    warnings = []
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink, log_warning=warnings.append)
+    plain, _ = run(decoder, tokenizer, settings, "hello world", 12, 0)
+    got, stats = run(decoder, tokenizer, settings, "hello world", 12, 3)
+    assert got == plain and stats.fell_back and sink.fallbacks == 1 and "draft model failed" in warnings[0]
