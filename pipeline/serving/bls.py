@@ -214,28 +214,28 @@ def _round_seed(req: TextRequest, offset: int) -> int | None:
     return None if req.sampling.seed is None else req.sampling.seed + offset
 
 
-def text_responses(req: TextRequest, prompt_text: str, tokenizer, skip_special_tokens: bool):
-    """Turn the decoder's token chunks into response arrays: a generator-consumer pair.
+class TextResponder:
+    """Turns one request's token chunks into response arrays (NVIDIA's BLS output names).
 
-    Returns (on_chunk(chunk) -> dict | None): streaming requests get a text delta per chunk
-    (never a split multi-byte character) and a final response with the stats; non-streaming
-    requests get one final response.
+    Streaming requests get a text delta per chunk (never a split multi-byte character) and a final
+    response carrying the counters; non-streaming requests get one final response.
     """
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-    state = {"prefix": "" if req.exclude_input_in_output else prompt_text, "tokens": 0}
 
-    def on_chunk(chunk: Chunk) -> dict[str, np.ndarray] | None:
-        state["tokens"] += len(chunk.token_ids)
-        text = detok.add(chunk.token_ids) if chunk.token_ids else ""
+    def __init__(self, req: TextRequest, prompt_text: str, tokenizer, skip_special_tokens: bool):
+        self.req = req
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.pending = "" if req.exclude_input_in_output else prompt_text  # text not sent yet
+        self.num_tokens = 0
+
+    def on_chunk(self, chunk: Chunk) -> dict[str, np.ndarray] | None:
+        """The arrays to send for this chunk, or None when there is nothing to send yet."""
+        self.num_tokens += len(chunk.token_ids)
+        self.pending += self.detok.add(chunk.token_ids) if chunk.token_ids else ""
         if chunk.final:
-            text += detok.flush()
-        if req.stream and not chunk.final:
-            if not text and not state["prefix"]:
-                return None
-        elif not chunk.final:
-            state["prefix"] += text
+            self.pending += self.detok.flush()
+        elif not self.req.stream or not self.pending:
             return None
-        text, state["prefix"] = state["prefix"] + text, ""
+        text, self.pending = self.pending, ""
         # [batch]: NVIDIA's BLS returns one string per request and its clients read text_output[0]
         arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object)}
         if chunk.final:
@@ -243,10 +243,8 @@ def text_responses(req: TextRequest, prompt_text: str, tokenizer, skip_special_t
             arrays["acceptance_rate"] = np.array([[st.acceptance_rate]], dtype=np.float32)
             arrays["total_accepted_draft_tokens"] = np.array([[st.total_accepted_draft_tokens]], dtype=np.int32)
             arrays["total_draft_tokens"] = np.array([[st.total_draft_tokens]], dtype=np.int32)
-            if req.return_num_input_tokens:
-                arrays["num_input_tokens"] = np.array([[len(req.prompt_ids)]], dtype=np.int32)
-            if req.return_num_output_tokens:
-                arrays["num_output_tokens"] = np.array([[state["tokens"]]], dtype=np.int32)
+            if self.req.return_num_input_tokens:
+                arrays["num_input_tokens"] = np.array([[len(self.req.prompt_ids)]], dtype=np.int32)
+            if self.req.return_num_output_tokens:
+                arrays["num_output_tokens"] = np.array([[self.num_tokens]], dtype=np.int32)
         return arrays
-
-    return on_chunk

@@ -9,7 +9,7 @@ import asyncio
 import triton_python_backend_utils as pb_utils
 
 from pipeline.serving import triton_io
-from pipeline.serving.bls import SpeculativeDecoder, text_responses
+from pipeline.serving.bls import SpeculativeDecoder, TextResponder
 from pipeline.serving.bls_calls import TritonModelClient
 from pipeline.serving.metrics import SpecMetrics
 from pipeline.serving.params import BlsSettings, parse_text_request
@@ -36,9 +36,9 @@ class TritonPythonModel:
             inputs = triton_io.request_inputs(request, self.input_names)
             req = parse_text_request(inputs, self.settings, self.tokenizer)
             prompt_text = inputs["text_input"].reshape(-1)[0].decode("utf-8")
-            on_chunk = text_responses(req, prompt_text, self.tokenizer, self.settings.skip_special_tokens)
+            responder = TextResponder(req, prompt_text, self.tokenizer, self.settings.skip_special_tokens)
             async for chunk in self.decoder.generate(req, request.is_cancelled):
-                arrays = on_chunk(chunk)
+                arrays = responder.on_chunk(chunk)
                 if arrays is not None:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
                     sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
