@@ -315,3 +315,11 @@ def test_from_engine_dir_takes_the_build_limits(tiny_llama, tmp_path):
         engine.add_request(Request("long", [1] * 17))
     res = run(engine, {0: [Request("a", [1, 2, 3], max_new_tokens=5, draft_tokens=[4, 5])]})
     assert 1 <= len(res["a"]["tokens"]) <= 3
+
+
+def test_request_larger_than_the_kv_cache_is_refused(model):
+    engine = make_engine(model, num_blocks=2)  # 32 tokens of KV
+    with pytest.raises(EngineInputError, match="KV cache holds 32 tokens"):
+        engine.add_request(Request("big", [1] * 10, max_new_tokens=30))
+    engine.add_request(Request("fits", [1] * 10, max_new_tokens=21))
+    assert len(run(engine, {})["fits"]["tokens"]) == 21

@@ -211,6 +211,9 @@ class LLMEngine:
             raise EngineInputError("max_new_tokens", "ask for at least one token")
         if len(r.prompt_ids) + r.max_new_tokens > cfg.max_seq_len:
             raise EngineInputError("max_new_tokens", f"prompt + max_new_tokens exceed max_seq_len {cfg.max_seq_len}; ask for at most {cfg.max_seq_len - len(r.prompt_ids)}")
+        capacity = self.blocks.num_blocks * cfg.tokens_per_block
+        if len(r.prompt_ids) + r.max_new_tokens + cfg.max_draft_len + 1 > capacity:
+            raise EngineInputError("max_new_tokens", f"the KV cache holds {capacity} tokens; ask for fewer tokens or give the engine more num_blocks")
         if r.num_draft_tokens is not None and not 0 <= r.num_draft_tokens <= cfg.max_draft_len:
             raise EngineInputError("num_draft_tokens", f"use 0..{cfg.max_draft_len} (the engine's max_draft_len)")
         if r.draft_tokens is not None:
@@ -260,7 +263,10 @@ class LLMEngine:
                 continue
             if not seq.prefilled:
                 sched = self._prefill_rows(seq, budget)
-                if sched is None or not self._reserve(seq, len(sched.new_tokens)):
+                if sched is None:
+                    continue
+                if not self._reserve(seq, len(sched.new_tokens)):
+                    self._requeue(seq)  # its committed chunks stay cached for the retry
                     continue
             else:
                 draft = drafts[seq.request.request_id]
@@ -273,13 +279,14 @@ class LLMEngine:
             budget -= len(sched.new_tokens)
         while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            if not seq.blocks.blocks:
-                seq.blocks = self.blocks.match_prefix(seq.tokens)
-                seq.num_computed = len(seq.blocks.blocks) * self.config.tokens_per_block
-                self.stats.cached_prompt_tokens += seq.num_computed
+            seq.blocks = self.blocks.match_prefix(seq.tokens)
+            seq.num_computed = len(seq.blocks.blocks) * self.config.tokens_per_block
             sched = self._prefill_rows(seq, budget)
             if sched is None or not self._reserve(seq, len(sched.new_tokens)):
+                self.blocks.free(seq.blocks)  # do not pin cached blocks while waiting
+                seq.num_computed = 0
                 break
+            self.stats.cached_prompt_tokens += seq.num_computed
             self.waiting.popleft()
             self.running.append(seq)
             batch.append(sched)
