@@ -323,3 +323,8 @@ def test_request_larger_than_the_kv_cache_is_refused(model):
         engine.add_request(Request("big", [1] * 10, max_new_tokens=30))
     engine.add_request(Request("fits", [1] * 10, max_new_tokens=21))
     assert len(run(engine, {})["fits"]["tokens"]) == 21
+
+
+def test_max_seq_len_beyond_the_model_positions_is_refused(model):
+    with pytest.raises(ValueError, match="max_seq_len 4096 exceeds the model's max_position_embeddings 2048"):
+        make_engine(model, max_seq_len=4096)

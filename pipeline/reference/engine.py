@@ -153,6 +153,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.proposer = proposer
         model.batch_invariant = self.config.batch_invariant
+        if self.config.max_seq_len > model.rope_cos.shape[0]:
+            raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")
         num_blocks = self.config.num_blocks or self.config.blocks_needed()
         self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.config.kv_cache_quant_algo)
         self.blocks = BlockManager(num_blocks, self.config.tokens_per_block)
