@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.checkpoints import inspect_spec
 from pipeline.plan import Plan, Step, make_plan, resolve_toolchain
-from pipeline.spec import Spec, to_dict
+from pipeline.spec import Spec, SpecError, to_dict
 
 STEP_FILE = "step.json"
 
@@ -161,9 +161,18 @@ def describe_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def check_reference_rules(spec: Spec) -> None:
+    """What the reference engine cannot run: an FP8 KV cache (it stores KV in the compute dtype or int8)."""
+    for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
+        if model is not None and model.kv_cache_dtype == "fp8":
+            raise SpecError(f"models.{role}.kv_cache_dtype", "an fp8 KV cache runs on the trtllm toolchain only",
+                            "use kv_cache_dtype: int8 or none for reference engines")
+
+
 def run_reference(spec: Spec) -> Plan:
     """Build every missing step of the reference plan, printing one line per step."""
     started = time.perf_counter()
+    check_reference_rules(spec)
     inspect_spec(spec)  # incompatible checkpoints and impossible memory plans fail before any work
     plan = make_plan(spec, "reference")
     cache_dir = spec.output.cache_dir

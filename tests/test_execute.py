@@ -148,3 +148,9 @@ def test_engines_command_end_to_end(spec_file):
     assert second.returncode == 0 and "nothing to do" in second.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in second.stderr.splitlines() if line.startswith("import time:")}
     assert "pipeline.execute" in imported and "torch" not in imported  # a cache hit loads no ML stack
+
+
+def test_fp8_kv_cache_is_refused_by_the_reference_toolchain(spec_file):
+    with pytest.raises(SpecError) as err:
+        run_engines(load_spec(spec_file, ["models.draft.kv_cache_dtype=fp8"]))
+    assert err.value.path == "models.draft.kv_cache_dtype" and "int8" in err.value.fix

@@ -193,3 +193,17 @@ def test_spec_inspect_and_plan_run_without_torch(derived_pair, heads, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "memory plan" in result.stdout and "run_step" in result.stdout
+
+
+@pytest.mark.parametrize("example, tool, flag", [
+    ("default.yaml", "convert_checkpoint_llama", "fp8_kv_cache"),
+    ("qformat-fp8.yaml", "quantize", "kv_cache_dtype"),
+    ("medusa.yaml", "quantize", "kv_cache_dtype"),  # the Medusa converter has no FP8 KV flag: ModelOpt PTQ with the heads
+])
+def test_fp8_kv_cache_on_trtllm(derived_pair, heads, tmp_path, example, tool, flag):
+    _spec, script = script_for(REPO / "examples" / example, derived_pair, heads, tmp_path, ["models.target.kv_cache_dtype=fp8"])
+    command = parse_script(script)[0][2]
+    ns = check_command(command)
+    assert command.tool == tool and getattr(ns, flag) in (True, "fp8")
+    if example == "medusa.yaml":
+        assert ns.medusa_model_dir == "$MEDUSA_DIR" and ns.qformat == "full_prec"
