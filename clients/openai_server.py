@@ -313,9 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a Triton request is abandoned (504)")
     args = p.parse_args(argv)
     template = ChatTemplate.from_tokenizer_dir(args.tokenizer) if args.tokenizer else None
-    app = create_app(args.triton_url, args.model, args.served_model_name, template, args.default_max_tokens)
+    app = create_app(args.triton_url, args.model, args.served_model_name, template, args.default_max_tokens,
+                     args.timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
