@@ -58,7 +58,8 @@ def step_command(plan: Plan, step: Step) -> Command:
     """The TensorRT-LLM command of one plan step; its output goes to $CACHE_DIR/<key>.tmp."""
     out = f"$CACHE_DIR/{step.key}.tmp"
     if step.kind == "build":
-        return build_command(step, f"$CACHE_DIR/{step.upstream}", out)
+        upstream = next(s for s in plan.steps if s.key == step.upstream)
+        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, upstream.params["tp_size"] * upstream.params["pp_size"])
     return convert_command(plan.spec, step, out)
 
 
@@ -71,6 +72,8 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
               "--tp_size", str(p["tp_size"]), "--pp_size", str(p["pp_size"])]
     weight_only = ["--use_weight_only", "--weight_only_precision", WEIGHT_ONLY_PRECISION[qformat]] if qformat in WEIGHT_ONLY_PRECISION else []
     kv_flag = {"none": [], "int8": ["--int8_kv_cache"], "fp8": ["--fp8_kv_cache"]}[kv]
+    ranks = p["tp_size"] * p["pp_size"]
+    workers = ["--workers", str(ranks)] if ranks > 1 else []  # converters write one rank file per worker
 
     if "eagle" in p:
         e = p["eagle"]
@@ -81,7 +84,7 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
             raise SpecError(f"{where}.qformat" if qformat in CALIBRATED_QFORMATS else f"{where}.kv_cache_dtype",
                             "TensorRT-LLM 1.2.1's EAGLE converter has no calibrated quantization",
                             "use qformat none / int8_wo / int4_wo and kv_cache_dtype none, or toolchain: reference")
-        return Command("convert_checkpoint_eagle", tuple(common + weight_only + [
+        return Command("convert_checkpoint_eagle", tuple(common + workers + weight_only + [
             "--eagle_model_dir", "$EAGLE_DIR", "--max_draft_len", str(e["max_draft_len"]),
             "--num_eagle_layers", str(e["num_eagle_layers"]), "--max_non_leaves_per_layer", str(e["max_non_leaves_per_layer"])]))
 
@@ -109,13 +112,13 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
         return Command("quantize", tuple(args))
     if medusa:
         model_type = ["--model_type", "qwen2"] if p["architecture"] == "Qwen2ForCausalLM" else []
-        return Command("convert_checkpoint_medusa", tuple(common + weight_only + kv_flag + medusa + model_type + [
+        return Command("convert_checkpoint_medusa", tuple(common + workers + weight_only + kv_flag + medusa + model_type + [
             "--max_medusa_token_len", str(p["medusa"]["max_draft_len"])]))
-    return Command("convert_checkpoint_llama", tuple(common + weight_only + kv_flag))
+    return Command("convert_checkpoint_llama", tuple(common + workers + weight_only + kv_flag))
 
 
-def build_command(step: Step, checkpoint: str, out: str) -> Command:
-    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags."""
+def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Command:
+    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per rank."""
     p = step.params
     args = ["--checkpoint_dir", checkpoint, "--output_dir", out,
             "--max_batch_size", str(p["max_batch_size"]), "--max_input_len", str(p["max_input_len"]),
@@ -129,6 +132,8 @@ def build_command(step: Step, checkpoint: str, out: str) -> Command:
         args += ["--max_draft_len", str(p["max_draft_len"])]  # medusa/eagle: the converter wrote it into the checkpoint
     if p["gather_generation_logits"]:
         args += ["--gather_generation_logits"]
+    if ranks > 1:
+        args += ["--workers", str(ranks)]
     return Command("trtllm-build", tuple(args))
 
 

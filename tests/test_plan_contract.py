@@ -207,3 +207,13 @@ def test_fp8_kv_cache_on_trtllm(derived_pair, heads, tmp_path, example, tool, fl
     assert command.tool == tool and getattr(ns, flag) in (True, "fp8")
     if example == "medusa.yaml":
         assert ns.medusa_model_dir == "$MEDUSA_DIR" and ns.qformat == "full_prec"
+
+
+def test_tensor_parallel_plans_one_worker_per_rank(derived_pair, heads, tmp_path):
+    _spec, script = script_for(REPO / "examples/draft-target.yaml", derived_pair, heads, tmp_path,
+                               ["engine.tp_size=2", "gpu.count=2"])
+    for _key, label, command in parse_script(script):
+        ns = check_command(command)
+        assert ns.workers == 2, label
+        if command.tool != "trtllm-build":
+            assert ns.tp_size == 2
