@@ -60,12 +60,17 @@ class Pair:
 # ----------------------------------------------------------------------------- prompts
 
 
+def chat(tokenizer, message: str) -> list[int]:
+    """Token ids of one user message in the model's chat template, ready for the answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """Open questions in SmolLM2's chat template."""
     questions = ["Explain how a hash table works and when it is slow.", "Write a short story about a lighthouse keeper.",
                  "What are the main causes of inflation?", "Describe the water cycle to a ten-year-old."]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-            for q in questions[:n]]
+    return [chat(tokenizer, q) for q in questions[:n]]
 
 
 def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -75,7 +80,7 @@ def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
     tasks = [f"Rewrite the following text, keeping every sentence and fixing only typos:\n\n{text}",
              f"Add a comment above every line of this Python function and return the whole function:\n\n{code}",
              f"Repeat the following text exactly:\n\n{local_text(9000)[7000:8000]}"]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in tasks[:n]]
+    return [chat(tokenizer, t) for t in tasks[:n]]
 
 
 def local_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -308,6 +313,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line (see the module docstring)."""
+    global NEW_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", default="2,4", help="draft lengths to measure (default 2,4)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per pair (default 2)")
@@ -315,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
     parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
     parser.add_argument("--out", default="docs", help="folder for bench-engine.{json,md} and img/")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per request (default 128)")
     args = parser.parse_args(argv)
+    NEW_TOKENS = args.new_tokens
     ks = list(range(1, 9)) if args.full else [int(k) for k in args.ks.split(",")]
     n_prompts = 3 if args.full else args.prompts
     pairs = make_pairs(args.pairs.split(","), n_prompts)

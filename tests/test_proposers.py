@@ -122,3 +122,54 @@ def test_metrics_count_positions_and_derive_rates():
     assert total.draft_tokens == 11 and total.accepted_tokens == 6 and total.spec_steps == 3
     assert total.proposed_by_position == [3, 3, 2, 2] and total.accepted_by_position == [2, 2, 1, 1]
     assert total.summary()["tokens_per_forward"] == round(10 / 4, 4)
+
+
+def test_medusa_heads_from_an_engine_match_the_folder_format(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.reference.medusa import load_medusa_dir, medusa_heads_from_engine
+
+    g = torch.Generator().manual_seed(0)
+    folder, engine = {}, {}
+    for h in range(2):
+        w, b, lm = torch.randn(16, 16, generator=g), torch.randn(16, generator=g), torch.randn(32, 16, generator=g)
+        folder.update({f"{h}.0.linear.weight": w, f"{h}.0.linear.bias": b, f"{h}.1.weight": lm})
+        engine.update({f"medusa_heads.{h}.0.linear.weight": w, f"medusa_heads.{h}.0.linear.bias": b,
+                       f"medusa_heads.{h}.lm_head.weight": lm})
+    save_file(folder, tmp_path / "medusa_lm_head.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1}))  # 5: the known lie
+    target_lm_head = torch.zeros(32, 16)
+    from_folder = load_medusa_dir(tmp_path, target_lm_head)
+    from_engine = medusa_heads_from_engine(engine, {"num_medusa_heads": 2, "num_medusa_layers": 1}, target_lm_head)
+    x = torch.randn(3, 16, generator=g)
+    assert len(from_folder) == 2  # counted from the file, not the config
+    for a, b in zip(from_folder, from_engine):
+        assert torch.equal(a.logits(x), b.logits(x))
+
+
+def test_medusa_pickle_weights_need_permission(tmp_path):
+    import torch
+
+    from pipeline.reference.medusa import load_medusa_dir
+
+    (tmp_path / "config.json").write_text("{}")
+    torch.save({"0.0.linear.weight": torch.zeros(2, 2)}, tmp_path / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="allow_pickle_weights"):
+        load_medusa_dir(tmp_path, torch.zeros(4, 2))
+
+
+def test_medusa_tree_deeper_than_its_heads_is_refused():
+    from pipeline.reference.medusa import MedusaProposer
+
+    with pytest.raises(ValueError, match="only 1 heads"):
+        MedusaProposer([object()], [[0], [0, 0]])
+
+
+def test_eagle3_checkpoints_are_refused_clearly():
+    from pipeline.reference.eagle import EagleProposer
+
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        EagleProposer.from_state_dict({"midlayer.self_attn.q_proj.weight": None}, {}, target=None, choices=[[0]])

@@ -152,7 +152,7 @@ def make_proposer(kind, pair_dir, tmp_path):
 def test_greedy_speculation_equals_plain_decoding(kind, derived_pair, plain, tmp_path):
     target, _ = derived_pair
     alone = {}
-    for i, p in enumerate(prompts()[:2]):  # batch 1
+    for i, p in enumerate(prompts()[:1]):  # batch 1
         alone.update(run(target, make_proposer(kind, derived_pair, tmp_path), requests=[(i, p)])[0])
     assert alone == {k: plain[k] for k in alone}
     batched, stats = run(target, make_proposer(kind, derived_pair, tmp_path), stagger=True)  # 8 joining at different steps
@@ -165,8 +165,9 @@ def test_draft_model_acceptance_follows_the_pair(derived_pair, exact_pair, tmp_p
     _, exact = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256))
     assert exact.acceptance_rate > 0.97  # the draft is the target: every draft token is accepted (bonus path)
     target, draft = derived_pair
-    _, partial = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256))
-    assert 0.2 < partial.acceptance_rate < 0.95  # accepted prefixes and recovered tokens
+    _, partial = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256), max_draft_len=4)
+    assert 0.2 < partial.acceptance_by_position[0] < 0.95  # accepted prefixes and recovered tokens
+    assert 0 < partial.accepted_tokens < partial.draft_tokens
     assert partial.acceptance_by_position[0] > partial.acceptance_by_position[-1]
     weak_target, weak_draft = make_derived_pair(tmp_path / "weak", eps=1.0)
     weak_plain, _ = run(weak_target)
