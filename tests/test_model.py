@@ -228,3 +228,16 @@ def test_smollm2_quantized_weights_run_with_small_perplexity_change():
     assert abs(ppl["W8A16"] / ppl["float32"] - 1) < 0.02
     assert abs(ppl["FP8"] / ppl["float32"] - 1) < 0.10
     assert abs(ppl["W4A16"] / ppl["float32"] - 1) < 0.60  # measured +51%: a 135M model (itself from a Q4_1 GGUF) is fragile
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_transformers(tiny_llama, dtype):
+    ids = random_ids(20, seed=13)
+    model = LlamaModel.from_hf(tiny_llama, dtype)
+    assert model.embed.dtype == getattr(torch, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    got = full_logits(model, ids)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
