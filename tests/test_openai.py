@@ -144,3 +144,12 @@ def test_triton_down_is_a_503():
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["type"] == "server_error" and "cannot reach Triton" in error["message"]
+
+
+def test_triton_timeout_is_a_504_and_health_reports_the_server(triton_server):
+    with TestClient(create_app(triton_server.grpc_url, timeout_s=30)) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+    with TestClient(create_app(triton_server.grpc_url, timeout_s=0.01)) as client:
+        response = client.post("/v1/completions", json={"model": "ensemble", "prompt": PROMPT, "max_tokens": 40,
+                                                         "num_draft_tokens": 0})
+    assert response.status_code == 504 and "timed out" in response.json()["error"]["message"]
