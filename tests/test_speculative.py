@@ -185,8 +185,8 @@ def test_tree_paths_off_the_first_branch_are_compacted_correctly(derived_pair, p
 
 def test_policy_switches_off_a_useless_draft_and_keeps_the_output(derived_pair, plain, tmp_path):
     target, _ = derived_pair
-    weak_target, weak_draft = make_derived_pair(tmp_path / "weak", eps=1.0)
-    policy = PolicyProposer(DraftModelProposer.from_hf(weak_draft, max_seq_len=256),
+    _, unrelated_draft = make_derived_pair(tmp_path / "unrelated", seed=5)  # another random model: ~0 % acceptance
+    policy = PolicyProposer(DraftModelProposer.from_hf(unrelated_draft, max_seq_len=256),
                             PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
     tokens, stats = run(target, policy)
     assert tokens == plain
