@@ -154,3 +154,19 @@ def test_fp8_kv_cache_is_refused_by_the_reference_toolchain(spec_file):
     with pytest.raises(SpecError) as err:
         run_engines(load_spec(spec_file, ["models.draft.kv_cache_dtype=fp8"]))
     assert err.value.path == "models.draft.kv_cache_dtype" and "int8" in err.value.fix
+
+
+def test_ctrl_c_during_a_step_exits_130_and_leaves_no_partial_entry(spec_file):
+    import signal
+
+    spec = load_spec(spec_file, ["models.target.qformat=int8_sq", "models.target.calib_size=2"])
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "engines", str(spec_file), "--set", "models.target.qformat=int8_sq",
+                             "--set", "models.target.calib_size=2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "target/quantize" in line and "running" in line:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C while the calibrated step runs
+            break
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().startswith("interrupted:") and "Traceback" not in err
+    cache = spec.output.cache_dir
+    assert not (cache / make_plan(spec, "reference").steps[0].key).exists() and not list(cache.glob(".tmp-*"))
