@@ -241,3 +241,15 @@ def test_half_precision_runs_close_to_transformers(tiny_llama, dtype):
     got = full_logits(model, ids)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_batched_one_token_rows_match_each_alone(tiny_llama):
+    """Without batch invariance, consecutive decode rows share one padded, masked SDPA call."""
+    model = LlamaModel.from_hf(tiny_llama)
+    seqs = [random_ids(n, seed=20 + n) for n in (30, 5, 17)]
+    tables = [blocks_for(0, 30), blocks_for(10, 5), blocks_for(20, 17)]
+    kv = model.new_kv_cache(64, BLOCK)
+    model([SequenceInput(s[:-1], 0, t) for s, t in zip(seqs, tables)], kv)
+    batched = model([SequenceInput(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables)], kv).logits
+    for s, row in zip(seqs, batched):
+        torch.testing.assert_close(row, full_logits(model, s)[-1], atol=1e-5, rtol=0)

@@ -229,12 +229,14 @@ class LlamaModel(torch.nn.Module):
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
         out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
-        for start, end, ctx_slots, mask in plan.groups:
-            k, v = kv.gather(layer, ctx_slots)  # [S, KVH, D] each
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
-            out[start:end] = o[0].transpose(0, 1).reshape(end - start, -1)
+        for start, end, key_slots, mask in plan.groups:  # B sequences of n rows each
+            B, S = key_slots.shape
+            k, v = kv.gather(layer, key_slots.flatten())  # [B * S, KVH, D] each
+            k = k.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [B, KVH, S, D]
+            v = v.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)
+            qb = q[start:end].view(B, -1, self.num_heads, self.head_size).transpose(1, 2)  # [B, H, n, D]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, H, n, D]
+            out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
         return out
 
 
@@ -255,12 +257,14 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    groups: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row start, row end, key slots [S], mask [n, S])
+    # (row start, row end, key slots [B, S], mask [B, 1, n, S] or [n, S] or None): B sequences of n rows each
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
         token_ids, positions, slots, groups, logits_rows = [], [], [], [], []
+        decodes: list[tuple[int, torch.Tensor]] = []  # consecutive one-token sequences: one batched SDPA
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -287,19 +291,37 @@ class _AttentionPlan:
                 for i in range(n):  # one group per token: exactly the keys it sees, as in plain decoding
                     visible = range(i + 1) if ancestors is None else ancestors[i]
                     key_slots = torch.cat([all_slots[:c], all_slots[[c + a for a in visible]]])
-                    groups.append((row + i, row + i + 1, key_slots, None))
+                    groups.append((row + i, row + i + 1, key_slots[None], None))
+            elif n == 1:
+                decodes.append((row, all_slots))
             else:
-                mask = None
+                groups += _decode_group(decodes)
+                decodes = []
                 if ancestors is not None:
                     mask = torch.zeros(n, c + n, dtype=torch.bool)  # [n, S] True = attend
                     mask[:, :c] = True
                     for i, anc in enumerate(ancestors):
                         mask[i, [c + a for a in anc]] = True
-                elif n > 1:
+                else:
                     mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
-                groups.append((row, row + n, all_slots, mask))
+                groups.append((row, row + n, all_slots[None], mask))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
+        groups += _decode_group(decodes)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         return cls(token_ids, positions, torch.cat(slots), groups, logits_index)
+
+
+def _decode_group(decodes: list[tuple[int, torch.Tensor]]) -> list[tuple]:
+    """One attention group for consecutive one-token rows: keys padded to the longest context and masked."""
+    if not decodes:
+        return []
+    if len(decodes) == 1:
+        row, key_slots = decodes[0]
+        return [(row, row + 1, key_slots[None], None)]
+    longest = max(len(k) for _, k in decodes)
+    key_slots = torch.stack([F.pad(k, (0, longest - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
+    lengths = torch.tensor([len(k) for _, k in decodes])
+    mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    return [(decodes[0][0], decodes[-1][0] + 1, key_slots, mask)]
