@@ -1,4 +1,4 @@
-"""Reference engine files and weight quantization (format: docs/engine-format.md, brief §1).
+"""Reference engine files and weight quantization (layout: docs/engine-format.md).
 
 An engine (and a converted checkpoint) is a folder with `config.json` and `rank0.safetensors`
 holding Hugging Face parameter names. A quantized linear weight `<p>.weight` [out, in] is stored as
