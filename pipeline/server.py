@@ -181,7 +181,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self._cleanup_shm()
-                raise ServerError(f"tritonserver exited with code {self.process.returncode}\n{self.log_tail()}")
+                reason = self._fatal_log_line() or f"exited with code {self.process.returncode}"
+                raise ServerError(f"tritonserver failed: {reason}\n{self.log_tail()}")
             fatal = self._fatal_log_line()
             if fatal:
                 self.stop()

@@ -1,0 +1,75 @@
+"""pipeline.server.TritonServer on small hand-written repositories: readiness, failures, cleanup."""
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from pipeline.server import ServerError, TritonServer, free_ports
+
+ECHO_CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 0
+input [{ name: "x" data_type: TYPE_STRING dims: [1] }]
+output [{ name: "y" data_type: TYPE_STRING dims: [1] }]
+"""
+ECHO_MODEL = """import triton_python_backend_utils as pb_utils
+import pipeline  # the server runs from the project root, so models import the project
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""
+
+
+def make_repo(root: Path, model_code: str) -> Path:
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (root / "echo" / "1" / "model.py").write_text(model_code)
+    return root
+
+
+def shm_files(prefix: str) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"{prefix}*"))
+
+
+def test_serves_and_cleans_up(tmp_path):
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(make_repo(tmp_path / "repo", ECHO_MODEL), http_port=http, grpc_port=grpc, metrics_port=metrics)
+    with server:
+        assert shm_files(server.shm_prefix)  # the python backend's regions carry our unique prefix
+        client = httpclient.InferenceServerClient(server.http_url)
+        x = httpclient.InferInput("x", [1], "BYTES")
+        x.set_data_from_numpy(np.array([b"hi"], dtype=object))
+        assert client.infer("echo", [x]).as_numpy("y").tolist() == [b"hi"]
+    assert server.process.poll() is not None
+    assert not shm_files(server.shm_prefix)
+    assert "Started HTTPService" in server.log_file.read_text()
+
+
+def test_model_that_cannot_load_fails_fast_with_the_log(tmp_path):
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(make_repo(tmp_path / "repo", "raise ImportError('no such thing')\n"), http_port=http,
+                          grpc_port=grpc, metrics_port=metrics, startup_timeout_s=120)
+    with pytest.raises(ServerError, match="failed to load 'echo'"):
+        server.start()
+    assert server.process.poll() is not None
+    assert not shm_files(server.shm_prefix)
+
+
+def test_busy_port_is_refused(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        grpc, metrics = free_ports(2)
+        server = TritonServer(make_repo(tmp_path / "repo", ECHO_MODEL), http_port=port, grpc_port=grpc, metrics_port=metrics)
+        with pytest.raises(ServerError, match=f"http_port {port} .* already in use"):
+            server.start()
+
+
+def test_missing_repository_is_refused(tmp_path):
+    with pytest.raises(ServerError, match="make repo"):
+        TritonServer(tmp_path / "nope").start()
