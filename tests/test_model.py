@@ -59,13 +59,11 @@ def qwen2_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def llama3_rope_dir(tmp_path_factory):
-    """A tiny Llama with llama3 rope scaling and an untied output layer."""
-    config = tiny_config(layers=2, tie_word_embeddings=False, head_dim=16,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    return save_random(LlamaForCausalLM, config, tmp_path_factory.mktemp("llama3") / "m")
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
 
 
 def test_logits_match_transformers_tied_gqa(tiny_llama):
@@ -90,11 +88,14 @@ def test_logits_match_transformers_qwen2_biases(qwen2_dir):
     torch.testing.assert_close(full_logits(model, ids), hf_logits(qwen2_dir, ids), atol=1e-4, rtol=0)
 
 
-def test_logits_match_transformers_llama3_rope_scaling(llama3_rope_dir):
-    ids = random_ids(150, seed=3)  # beyond original_max_position_embeddings, where the scaling matters
-    model = LlamaModel.from_hf(llama3_rope_dir)
-    assert model.config["rotary_scaling"]["rope_type"] == "llama3"
-    torch.testing.assert_close(full_logits(model, ids), hf_logits(llama3_rope_dir, ids), atol=1e-4, rtol=0)
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_logits_match_transformers_with_rope_scaling(kind, tmp_path):
+    config = tiny_config(layers=2, tie_word_embeddings=False, head_dim=16, rope_scaling=ROPE_SCALINGS[kind])
+    path = save_random(LlamaForCausalLM, config, tmp_path / kind)
+    ids = random_ids(150, seed=3)  # beyond original_max_position_embeddings, where llama3 scaling matters
+    model = LlamaModel.from_hf(path)
+    assert model.config["rotary_scaling"]["rope_type"] == kind
+    torch.testing.assert_close(full_logits(model, ids), hf_logits(path, ids), atol=1e-4, rtol=0)
 
 
 def test_cached_prefix_plus_new_tokens_equals_one_pass(tiny_llama):
