@@ -234,3 +234,36 @@ def test_sampled_speculation_follows_the_target_distribution(derived_pair):
     counts = torch.bincount(pairs, minlength=512 * 512)
     assert chi_square_pvalue(counts, joint_law(model)) > ALPHA
     assert chi_square_pvalue(counts, joint_law(draft_model)) < ALPHA
+
+
+def test_engine_stored_heads_propose_like_their_source_folders(tiny_llama, tmp_path):
+    """Medusa / EAGLE weights as convert.py stores them in an engine (prefixed keys + pretrained_config)
+    give the same drafts as the FasterDecoding / SafeAILab folders."""
+    from safetensors.torch import load_file
+
+    from pipeline.reference.proposers import ProposalInput
+    from pipeline.reference.speculation import engine_proposer
+
+    target = LlamaModel.from_hf(tiny_llama, "float32")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 64, generator=g)
+    inp = [ProposalInput("a", [7, 8, 9, 10, 11, 12], 6, hidden_states=hidden)]
+
+    medusa_dir = random_medusa_dir(tmp_path / "medusa")
+    folder = load_file(medusa_dir / "medusa_lm_head.safetensors")
+    state = {f"medusa_heads.{k.split('.')[0]}." + (".".join(k.split(".")[1:]) if "linear" in k else "lm_head.weight"): v
+             for k, v in folder.items()}
+    config = {"medusa": {"num_medusa_heads": 3, "num_medusa_layers": 1, "max_draft_len": 8}}
+    from_engine = engine_proposer(config, state, target, choices=MEDUSA_CHOICES).propose(inp)
+    from_folder = MedusaProposer(load_medusa_dir(medusa_dir, target.lm_head), MEDUSA_CHOICES).propose(inp)
+    assert from_engine == from_folder and len(from_engine[0].token_ids) == 6
+
+    eagle_dir = random_eagle_dir(tmp_path / "eagle")
+    state = {f"eagle.{k}": v for k, v in load_file(eagle_dir / "model.safetensors").items()}
+    net = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_size": 16,
+           "intermediate_size": 128, "num_hidden_layers": 1, "norm_epsilon": 1e-5}
+    config = {"eagle": {"version": 2, "num_eagle_layers": 3, "max_draft_len": 8, "max_non_leaves_per_layer": 4, **net}}
+    from_engine = engine_proposer(config, state, target, dynamic_top_k=2).propose(inp)
+    from_folder = EagleProposer.from_eagle_dir(eagle_dir, target, dynamic_top_k=2).propose(inp)
+    assert from_engine[0].token_ids == from_folder[0].token_ids and from_engine[0].parents == from_folder[0].parents
+    assert engine_proposer({"medusa": None, "eagle": None}, {}, target) is None
