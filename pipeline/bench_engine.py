@@ -137,8 +137,9 @@ def weak_draft(draft_dir: Path, dtype: str):
 
 def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, dict]:
     """Generate NEW_TOKENS for every prompt concurrently in one engine; returns (tokens/s, speculation summary)."""
-    engine = LLMEngine(model, EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400),
-                       proposer)
+    config = EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400,
+                          num_blocks=BATCH * 48)  # 1536 tokens per request: the longest prompt + 128 + drafts
+    engine = LLMEngine(model, config, proposer)
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"r{i}", p, NEW_TOKENS))
     stats, generated = [], 0
