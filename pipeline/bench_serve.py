@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import numpy as np
 
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
 PLAIN_TOKENS = 64
+SPEC_TOKENS = 96
+REPEATS = 3
 
 
 class NoMetrics:
@@ -131,7 +134,7 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
 
 
 def run_bench(spec, log=print) -> str:
-    """Run every measurement; returns the markdown section."""
+    """Run every measurement (engine and Triton alternating, REPEATS times, medians); returns the markdown section."""
     from pipeline.demo import DEMO_PROMPTS, chat_prompt
     from pipeline.execute import run_reference
     from pipeline.repo.assemble import assemble
@@ -152,14 +155,11 @@ def run_bench(spec, log=print) -> str:
     spec_texts = [chat_prompt(tokenizer, q) for q in DEMO_PROMPTS]
     bls_params = {key: p.string_value for key, p in load_config(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
     settings = BlsSettings.from_parameters(bls_params)
-
-    def requests(texts, max_tokens, draft):
-        out = []
-        for t in texts:
-            inputs = {"text_input": np.array([[t.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
-                      "num_draft_tokens": np.array([[draft]], dtype=np.int32)}
-            out.append(parse_text_request(inputs, settings, tokenizer))
-        return out
+    spec_reqs = []
+    for t in spec_texts:
+        inputs = {"text_input": np.array([[t.encode()]], dtype=object), "max_tokens": np.array([[SPEC_TOKENS]], dtype=np.int32),
+                  "num_draft_tokens": np.array([[k]], dtype=np.int32)}
+        spec_reqs.append(parse_text_request(inputs, settings, tokenizer))
 
     busy = [0.0]
     runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
@@ -167,50 +167,54 @@ def run_bench(spec, log=print) -> str:
         runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
     decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log, log_info=lambda m: None)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
-    rows = []
-    engine_plain(runners["tensorrt_llm"], prompt_ids[:1], 1)  # warm-up
-    for conc in (1, 8):
-        texts = plain_texts if conc == 8 else plain_texts[:4]
-        secs, toks = engine_plain(runners["tensorrt_llm"], prompt_ids[:len(texts)], conc)
-        rows.append(("engine", conc, secs, toks))
-        log(f"engine plain, concurrency {conc}: {toks / secs:.1f} tok/s")
-    spec_reqs = requests(spec_texts, 96, k)
-    busy[0] = 0.0
-    local_secs, local_toks, rounds = asyncio.run(local_bls(decoder, spec_reqs, 1))
-    local_busy = busy[0]
-    log(f"local BLS speculative: {rounds} rounds, {local_secs:.2f} s, engine busy {local_busy:.2f} s")
-    for r in runners.values():
-        r.close()
+    samples: dict[str, list[float]] = {}  # name -> tokens/s (plain) or seconds (speculative)
+
+    def add(name, value):
+        samples.setdefault(name, []).append(value)
 
     http, grpc, metrics = free_ports(3)
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                       log_file=spec.out_dir / "bench-serve-triton.log") as server:
-        triton_bls(server.grpc_url, plain_texts[:1], PLAIN_TOKENS, 0, 1)  # warm-up
-        for conc in (1, 8):
-            texts = plain_texts if conc == 8 else plain_texts[:4]
-            secs, toks = triton_bls(server.grpc_url, texts, PLAIN_TOKENS, 0, conc)
-            rows.append(("triton", conc, secs, toks))
-            log(f"Triton BLS plain, concurrency {conc}: {toks / secs:.1f} tok/s")
-        triton_secs, triton_toks = triton_bls(server.grpc_url, spec_texts, 96, k, 1)
-    log(f"Triton BLS speculative: {triton_secs:.2f} s for {triton_toks} tokens")
+        engine_plain(runners["tensorrt_llm"], prompt_ids[:1], 1)  # warm-up both
+        triton_bls(server.grpc_url, plain_texts[:1], PLAIN_TOKENS, 0, 1)
+        rounds = spec_tokens = 0
+        for rep in range(REPEATS):  # alternate, so load changes on the shared machine hit both sides alike
+            for conc in (1, 8):
+                n = 8 if conc == 8 else 2
+                secs, toks = engine_plain(runners["tensorrt_llm"], prompt_ids[:n], conc)
+                add(f"engine {conc}", toks / secs)
+                secs, toks = triton_bls(server.grpc_url, plain_texts[:n], PLAIN_TOKENS, 0, conc)
+                add(f"triton {conc}", toks / secs)
+            busy[0] = 0.0
+            secs, spec_tokens, rounds = asyncio.run(local_bls(decoder, spec_reqs, 1))
+            add("local spec", secs)
+            add("engine busy", busy[0])
+            secs, toks = triton_bls(server.grpc_url, spec_texts, SPEC_TOKENS, k, 1)
+            if toks != spec_tokens:
+                raise RuntimeError(f"Triton generated {toks} tokens, the in-process orchestrator {spec_tokens}: not the same work")
+            add("triton spec", secs)
+            log(f"repeat {rep + 1}/{REPEATS}: " + ", ".join(f"{name} {vals[-1]:.2f}" for name, vals in samples.items()))
+    for r in runners.values():
+        r.close()
 
-    rate = {(w, c): t / s for w, c, s, t in rows}
+    med = {name: float(np.median(vals)) for name, vals in samples.items()}
     lines = [BEGIN, "## Serving overhead: Triton vs the engine (`make bench-serve`)", "",
-             f"Spec `{spec.name}` ({spec.speculative.mode}, K={k}), reference engines, one run on this machine; "
-             "ratios matter, absolute numbers depend on the load.", "",
-             "| plain decoding | engine tok/s | Triton (BLS) tok/s | Triton / engine |", "|---|---|---|---|"]
+             f"Spec `{spec.name}` ({spec.speculative.mode}, K={k}), reference engines, greedy; medians of {REPEATS} "
+             "repeats, engine and Triton measured alternately in one run (the machine is shared: compare the ratios).", "",
+             f"| plain decoding, {PLAIN_TOKENS} tokens per request | engine tok/s | Triton (tensorrt_llm_bls) tok/s | "
+             "Triton / engine |", "|---|---|---|---|"]
     for conc in (1, 8):
-        lines.append(f"| concurrency {conc} | {rate['engine', conc]:.1f} | {rate['triton', conc]:.1f} | "
-                     f"{rate['triton', conc] / rate['engine', conc]:.0%} |")
-    per_round_triton = triton_secs / max(rounds, 1)
-    per_round_busy = local_busy / max(rounds, 1)
-    lines += ["", f"Speculative rounds at batch 1 ({len(spec_texts)} demo prompts, {rounds} rounds, same rounds both ways):", "",
-              "| | per round ms | outside model execution |", "|---|---|---|",
-              f"| engine step() time | {1000 * per_round_busy:.1f} | - |",
-              f"| in-process orchestrator | {1000 * local_secs / max(rounds, 1):.1f} | "
-              f"{(local_secs - local_busy) / local_secs:.0%} |",
-              f"| Triton tensorrt_llm_bls | {1000 * per_round_triton:.1f} | "
-              f"{(triton_secs - local_busy) / triton_secs:.0%} |",
+        lines.append(f"| concurrency {conc} | {med[f'engine {conc}']:.1f} | {med[f'triton {conc}']:.1f} | "
+                     f"{med[f'triton {conc}'] / med[f'engine {conc}']:.0%} |")
+    per = 1000 / max(rounds, 1)
+    lines += ["", f"Speculative requests at batch 1 ({len(spec_texts)} demo prompts, {spec_tokens} tokens, {rounds} rounds, "
+              "identical rounds both ways). Outside model execution = round time minus the engine's step() time:", "",
+              "| | ms per round | outside model execution |", "|---|---|---|",
+              f"| engine step() | {med['engine busy'] * per:.1f} | - |",
+              f"| in-process orchestrator | {med['local spec'] * per:.1f} | "
+              f"{(med['local spec'] - med['engine busy']) / med['local spec']:.0%} |",
+              f"| Triton tensorrt_llm_bls | {med['triton spec'] * per:.1f} | "
+              f"{(med['triton spec'] - med['engine busy']) / med['triton spec']:.0%} |",
               "", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
     return "\n".join(lines)
 
@@ -227,6 +231,7 @@ def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None
 
 def main(argv=None) -> int:
     """`python -m pipeline.bench_serve SPEC`."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's models run (pipeline.server.server_env)
     from pipeline.spec import load_spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
