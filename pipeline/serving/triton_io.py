@@ -47,4 +47,7 @@ def error_response(exc: BaseException):
 
 def send_final_error(sender, exc: BaseException) -> None:
     """Close a decoupled request with an error response, so the client never waits forever."""
-    sender.send(error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    try:
+        sender.send(error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as send_exc:  # the request is already closed (cancelled, or its final response went out)
+        pb_utils.Logger.log_warn(f"could not send error response ({exc}): {send_exc}")
