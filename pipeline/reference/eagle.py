@@ -144,7 +144,7 @@ class EagleProposer:
         return F.linear(torch.cat([emb, features.to(emb.dtype)], dim=-1), self.fc_weight, self.fc_bias)
 
     def _draft(self, inputs: list[ProposalInput]) -> list[Draft]:
-        states = [self.sequences[inp.request_id] for inp in inputs]
+        states = [self.sequences.setdefault(inp.request_id, _EagleSequence()) for inp in inputs]
         root_logits = self._ingest(inputs, states)  # [B, vocab]
         trees: list[list[_Node]] = []
         frontier: list[list[int]] = []  # per request: node indices to expand next
