@@ -324,6 +324,8 @@ def test_metrics_endpoint_shows_speculative_metrics(triton_server):
     assert len(buckets) >= 2 and any('le="+Inf"' in l for l in buckets)
     assert any(l.startswith("spec_decode_acceptance_length_count{") and label in l for l in text.splitlines())
     assert "spec_decode_accepted_tokens_per_position_total{" in text
+    busy = [l for l in text.splitlines() if l.startswith('reference_engine_step_seconds_total{model="tensorrt_llm"}')]
+    assert busy and float(busy[0].rsplit(" ", 1)[1]) > 0  # engine busy time, for utilization and bench-serve
 
 
 def _metric(triton_server, name: str) -> float:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.reference.engine import Request, RequestOutput
+import time
+from typing import Callable
+
+from pipeline.reference.engine import LLMEngine, Request, RequestOutput
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
 from pipeline.serving.params import ENGINE_SAMPLING_NAMES, RequestError, TextRequest, read_sampling, scalar
 from pipeline.serving.text import from_word_list_format, to_word_list_format
@@ -118,6 +121,20 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
         return_num_input_tokens=_flag(inputs, "return_num_input_tokens"),
         return_num_output_tokens=_flag(inputs, "return_num_output_tokens"))
     return request, options
+
+
+class MeteredEngine(LLMEngine):
+    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks)."""
+
+    on_step: Callable[[float], None] = staticmethod(lambda seconds: None)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step, timed."""
+        start = time.perf_counter()
+        try:
+            return super().step()
+        finally:
+            self.on_step(time.perf_counter() - start)
 
 
 class ResponseBuilder:

@@ -14,6 +14,8 @@ ACCEPTED_PER_POSITION = "spec_decode_accepted_tokens_per_position_total"
 ACCEPTANCE_LENGTH = "spec_decode_acceptance_length"
 ROUNDS = "spec_decode_rounds_total"
 FALLBACKS = "spec_decode_draft_fallbacks_total"
+ENGINE_STEP_SECONDS = "reference_engine_step_seconds_total"
+ENGINE_STEPS = "reference_engine_steps_total"
 
 
 class SpecMetrics:
@@ -52,3 +54,20 @@ class SpecMetrics:
     def fallback(self) -> None:
         """Count a request that lost its draft model."""
         self.fallbacks.increment(1)
+
+
+class EngineMetrics:
+    """Busy time of a reference engine (seconds inside step()) and its step count, labelled by model."""
+
+    def __init__(self, model: str):
+        labels = {"model": model}
+        counter = pb_utils.MetricFamily.COUNTER
+        self.families = [pb_utils.MetricFamily(ENGINE_STEP_SECONDS, "Seconds the reference engine spent in step()", counter),
+                         pb_utils.MetricFamily(ENGINE_STEPS, "Scheduler steps of the reference engine", counter)]
+        self.seconds = self.families[0].Metric(labels=labels)
+        self.steps = self.families[1].Metric(labels=labels)
+
+    def step(self, seconds: float) -> None:
+        """Count one step."""
+        self.seconds.increment(seconds)
+        self.steps.increment(1)

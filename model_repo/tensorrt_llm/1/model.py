@@ -11,10 +11,11 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from pipeline.reference.engine import EngineInputError, LLMEngine
+from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.engine_io import ResponseBuilder, engine_request
+from pipeline.serving.engine_io import MeteredEngine, ResponseBuilder, engine_request
+from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.params import RequestError
 
 CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client went away
@@ -28,7 +29,9 @@ class TritonPythonModel:
         engine_dir = Path(params["gpt_model_path"])
         max_seq_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_seq_len"]
         # The BLS re-sends the whole sequence as input_ids each verify round: accept up to max_seq_len - 1.
-        self.engine = LLMEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)
+        self.engine = MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)
+        self.metrics = EngineMetrics(args["model_name"])
+        self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine)
 
