@@ -38,6 +38,10 @@ class ModelError(RuntimeError):
     """A model call returned an error."""
 
 
+class DraftError(ModelError):
+    """The draft model (or proposer) failed: the request can continue without speculation."""
+
+
 @dataclass
 class Generation:
     """What one target or draft call returned."""
@@ -135,9 +139,7 @@ class SpeculativeDecoder:
                 break
             try:
                 new, proposed, accepted, stopped = await self._round(req, generated, min(req.num_draft_tokens, remaining - 1))
-            except ModelError as exc:
-                if not exc.args or not str(exc.args[0]).startswith("draft:"):
-                    raise
+            except DraftError as exc:
                 self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
                 self.metrics.fallback()
                 stats.fell_back, speculate = True, False
@@ -186,7 +188,7 @@ class SpeculativeDecoder:
                 proposal = await self.client.generate(self.settings.draft_model, seq, k, req, seed,
                                                       return_logits=req.use_draft_logits)
             except Exception as exc:
-                raise ModelError(f"draft: {exc}") from exc
+                raise DraftError(f"draft: {exc}") from exc
             draft, draft_logits = proposal.tokens[:k], proposal.logits
             if draft_logits is not None:
                 draft_logits = draft_logits[:len(draft)]
