@@ -212,6 +212,10 @@ def run_bench(spec, log=print) -> str:
     for conc in (1, 8):
         lines.append(f"| concurrency {conc} | {med[f'engine {conc}']:.1f} | {med[f'triton {conc}']:.1f} | "
                      f"{med[f'triton {conc}'] / med[f'engine {conc}']:.0%} |")
+    if min(med[f"triton {c}"] / med[f"engine {c}"] for c in (1, 8)) > 1.05:
+        lines += ["", "Above 100%: the in-process engine (benchmark process) ran slower than the same engine inside "
+                  "Triton's model process, whose busy time the speculative table below measures directly; the cause "
+                  "of the in-process slowdown was not found."]
     per = 1000 / max(rounds, 1)
     lines += ["", f"Speculative requests at batch 1 ({len(spec_texts)} demo prompts, {spec_tokens} tokens, {rounds} rounds, "
               "identical rounds both ways). Outside model execution = round time minus the time the engine spent in "
