@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -38,12 +37,11 @@ class NoMetrics:
 
 
 def timed_runner(engine_dir: Path, busy: list[float]):
-    """An EngineRunner whose engine adds its step() seconds to busy[0]."""
+    """An EngineRunner over the engine as Triton serves it, adding its step() seconds to busy[0]."""
     from pipeline.reference.runner import EngineRunner
-    from pipeline.serving.engine_io import MeteredEngine
+    from pipeline.serving.engine_io import load_serving_engine
 
-    max_seq_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_seq_len"]
-    engine = MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)  # as the tensorrt_llm model does
+    engine = load_serving_engine(engine_dir)
 
     def add(seconds: float) -> None:
         busy[0] += seconds

@@ -3,10 +3,8 @@ interface over the reference engine. Decoupled: an EngineRunner thread steps the
 concurrent request (plain, or verifying external draft tokens) is batched in flight.
 """
 
-import json
 import queue
 import threading
-from pathlib import Path
 import uuid
 
 import triton_python_backend_utils as pb_utils
@@ -14,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.engine_io import MeteredEngine, ResponseBuilder, engine_request
+from pipeline.serving.engine_io import ResponseBuilder, engine_request, load_serving_engine
 from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.params import RequestError
 
@@ -26,10 +24,7 @@ class TritonPythonModel:
         params = triton_io.model_parameters(args)
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
-        engine_dir = Path(params["gpt_model_path"])
-        max_seq_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_seq_len"]
-        # The BLS re-sends the whole sequence as input_ids each verify round: accept up to max_seq_len - 1.
-        self.engine = MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)
+        self.engine = load_serving_engine(params["gpt_model_path"])
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
