@@ -330,3 +330,31 @@ def test_request_larger_than_the_kv_cache_is_refused(model):
 def test_max_seq_len_beyond_the_model_positions_is_refused(model):
     with pytest.raises(ValueError, match="max_seq_len 4096 exceeds the model's max_position_embeddings 2048"):
         make_engine(model, max_seq_len=4096)
+
+
+class GreedyProposer:
+    """Proposes more tokens than asked (a sloppy proposer): the engine keeps only the first K."""
+
+    needs_hidden_states = False
+
+    def __init__(self, continuation: list[int], prompt_len: int):
+        self.continuation, self.prompt_len = continuation, prompt_len
+
+    def propose(self, inputs):
+        return [Draft(self.continuation[len(i.token_ids) - self.prompt_len:] + [0] * 20) for i in inputs]
+
+    def update(self, request_id, num_accepted, num_proposed):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def test_overlong_drafts_are_cut_to_k(model):
+    prompt = prompts(1, seed=16)[0]
+    plain, _ = generate(model, prompt, n=20)
+    engine = make_engine(model, GreedyProposer(plain, len(prompt)), max_draft_len=3)
+    res = run(engine, {0: [Request("r", prompt, max_new_tokens=20)]})
+    assert res["r"]["tokens"] == plain
+    stats = res["r"]["outputs"][-1].stats
+    assert stats.draft_tokens <= 3 * stats.spec_steps and len(stats.proposed_by_position) == 3

@@ -319,7 +319,7 @@ class LLMEngine:
                                         generator=seq.generator, max_new_tokens=seq.request.max_new_tokens,
                                         num_generated=seq.num_generated))
         drafts = self.proposer.propose(inputs)
-        return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, inputs)]
+        return [_first_nodes(d, inp.num_tokens) for d, inp in zip(drafts, inputs)]
 
     def _reserve(self, seq: _Sequence, num_new: int) -> bool:
         """Make sure seq's blocks hold num_computed + num_new tokens."""
@@ -421,3 +421,10 @@ class LLMEngine:
         return RequestOutput(seq.request.request_id, new, finished=True, finish_reason=reason, error=error,
                              generation_logits=gen_logits, stats=seq.stats)
 
+
+def _first_nodes(draft: Draft, k: int) -> Draft:
+    """The draft cut to its first k nodes (still a valid chain or tree: parents come before children)."""
+    if len(draft.token_ids) <= k:
+        return draft
+    return Draft(token_ids=draft.token_ids[:k], probs=None if draft.probs is None else draft.probs[:k],
+                 parents=None if draft.parents is None else draft.parents[:k])
