@@ -26,6 +26,9 @@ from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
+# Bump when pipeline/reference/convert.py changes the numbers it writes (e.g. a calibration change):
+# every reference step key changes, so stale engines are rebuilt rather than reused.
+REFERENCE_CONVERTER_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def toolchain_versions(toolchain: str) -> dict:
         torch_version = importlib.metadata.version("torch")  # metadata only: torch is not imported
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
-    return {"reference_format": stack.REFERENCE_FORMAT_VERSION, "torch": torch_version}
+    return {"reference_format": stack.REFERENCE_FORMAT_VERSION, "reference_converter": REFERENCE_CONVERTER_VERSION,
+            "torch": torch_version}
 
 
 def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:

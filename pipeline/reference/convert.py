@@ -2,10 +2,12 @@
 
 convert: dtype cast, weight-only int8 (per channel) / int4 (grouped) / fp8 (per channel, float8_e4m3fn)
 quantization of the decoder's linear layers, Medusa heads or EAGLE weights added to the target.
-quantize (calibrated qformats, on min(calib_size, 8) sequences of 128 tokens of local text):
-- int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023): per input (q/k/v share one, as do
-  gate/up), s = mean|x|^alpha with alpha searched on a grid to minimize the output error of the int4
-  weights on calibration inputs; the weight is quantized as w * s and `pre_quant_scale` = 1/s scales the input.
+quantize (calibrated qformats, on min(calib_size, 8) sequences of up to 128 tokens of local text, as
+chat turns when the tokenizer has a chat template):
+- int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023) for o_proj, gate/up (one shared scale)
+  and down_proj: s = mean|x|^alpha with alpha searched on a grid to minimize the output error of the
+  int4 weights on calibration inputs; the weight is quantized as w * s and `pre_quant_scale` = 1/s
+  scales the input. q/k/v stay plain grouped int4 (see AWQ_PLAIN).
 - int8_sq: SmoothQuant (Xiao et al. 2023) smoothing factors s = max|x|^0.5 / max|w|^0.5 per input
   channel (shared like AWQ's); weight int8 per channel of w * s, `smoother` = s. Activations are NOT
   quantized: the reference runs it weight-only.
@@ -30,9 +32,12 @@ from pipeline.reference.model import config_from_hf
 
 CALIB_SEQUENCES = 8
 CALIB_SEQ_LEN = 128
-CALIB_ROWS = 128  # input rows kept per linear for the AWQ scale search
+CALIB_ROWS = 256  # input rows kept per linear for the AWQ scale search
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one calibrated scale per shared input
+# q/k/v stay plain int4 under int4_awq: their error passes through softmax, which a per-linear output loss
+# misses (AWQ proper measures the attention block's output); on SmolLM2 scaling them broke chat answers.
+AWQ_PLAIN = ("q_proj", "k_proj", "v_proj")
 ENGINE_VERSION = "reference-1"
 
 
@@ -59,17 +64,32 @@ def load_weights(folder: Path, allow_pickle: bool, names: tuple[str, ...] = ()) 
 # ----------------------------------------------------------------------------- calibration
 
 
+def calibration_batch(tokenizer, n: int) -> torch.Tensor:
+    """[n, CALIB_SEQ_LEN] token ids of local text; chat models get it as chat turns (their serving format)."""
+    from pipeline.toymodels import local_text
+
+    text = local_text(200_000)
+    chunk = 300  # characters per chat turn
+    rows = []
+    for i in range(max(1, n)):
+        if tokenizer.chat_template:
+            a, b = text[2 * i * chunk:(2 * i + 1) * chunk], text[(2 * i + 1) * chunk:(2 * i + 2) * chunk]
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": a}, {"role": "assistant", "content": b}],
+                                                tokenize=True, return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(text[i * 4 * chunk:(i + 1) * 4 * chunk]).input_ids
+        rows.append(list(ids)[:CALIB_SEQ_LEN])
+    length = min(len(r) for r in rows)
+    return torch.tensor([r[:length] for r in rows])
+
+
 def calibration_inputs(model_dir: Path, calib_size: int) -> dict[str, dict[str, torch.Tensor]]:
     """Per decoder linear (HF name without `.weight`): input stats {absmean, absmax [in], rows [n, in]}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.toymodels import local_text
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False).eval()
-    ids = tokenizer(local_text(200_000), return_tensors="pt").input_ids[0]
-    n = max(1, min(calib_size, CALIB_SEQUENCES, len(ids) // CALIB_SEQ_LEN))
-    batch = ids[: n * CALIB_SEQ_LEN].reshape(n, CALIB_SEQ_LEN)  # [n, T]
+    batch = calibration_batch(tokenizer, min(calib_size, CALIB_SEQUENCES))  # [n, T]
     stats: dict[str, dict[str, torch.Tensor]] = {}
     generator = torch.Generator().manual_seed(0)
 
@@ -121,6 +141,8 @@ def input_scales(state: dict, stats: dict, qformat: str, group_size: int) -> dic
         head, leaf = prefix.rsplit(".", 1)
         group = next((g for g in SHARED_INPUT if leaf in g), (leaf,))
         members = [f"{head}.{m}" for m in group if f"{head}.{m}.weight" in state]
+        if qformat == "int4_awq" and leaf in AWQ_PLAIN:
+            continue
         w = torch.cat([state[m + ".weight"].float() for m in members])  # [sum of out, in]
         s = awq_scale(w, stats[prefix], group_size) if qformat == "int4_awq" else smoothquant_scale(w, stats[prefix])
         scales.update({m + ".": s for m in members})
