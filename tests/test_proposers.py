@@ -97,6 +97,14 @@ def test_policy_switches_a_request_off_when_acceptance_stays_low():
     assert ask(policy, n=2) == [0, 4]
 
 
+def test_policy_keeps_a_decent_request_through_a_run_of_rejections():
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
+    ask(policy)
+    for accepted in (4, 4, 0, 0, 0):  # 8 of 20 so far: 40 % >= 30 %
+        policy.update("r0", accepted, 4)
+    assert ask(policy) == [4]
+
+
 def test_policy_batch_gate_and_short_outputs():
     inner = FixedProposer()
     policy = PolicyProposer(inner, PolicyConfig(num_draft_tokens=4, max_batch_for_speculation=2,

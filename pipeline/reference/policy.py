@@ -4,7 +4,8 @@ Speculation only pays when enough draft tokens are accepted and the target has s
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
 - per-request switch-off: once a request has `window` speculative steps behind it and its
-  acceptance over the last `window` steps is below `min_acceptance_rate`, it decodes plainly to the end;
+  acceptance so far (all its steps) is below `min_acceptance_rate`, it decodes plainly to the end
+  (a sliding window switched decent drafts off after a chance run of rejections);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, nobody speculates this step (the target is
   compute bound and verification rows are no longer free);
@@ -16,8 +17,7 @@ that follows the context (EAGLE's features, a draft model's cache) can keep up c
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 
@@ -29,8 +29,8 @@ class PolicyConfig:
     num_draft_tokens: int = 4  # K a request starts with
     max_draft_tokens: int = 8  # K never exceeds this (the engine's max_draft_len)
     adaptive: bool = False  # adapt K per request from its acceptance
-    min_acceptance_rate: float = 0.1  # below this (over `window` steps) a request stops speculating
-    window: int = 8  # steps of history the switch-off looks at
+    min_acceptance_rate: float = 0.1  # below this (after `window` steps) a request stops speculating
+    window: int = 8  # speculative steps before the switch-off may decide
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
 
@@ -49,7 +49,9 @@ class _RequestPolicy:
 
     draft_len: int
     enabled: bool = True
-    history: deque = field(default_factory=deque)  # (accepted, proposed) of the last `window` steps
+    steps: int = 0  # speculative steps so far
+    accepted: int = 0  # draft tokens accepted so far
+    proposed: int = 0  # draft tokens proposed so far
 
 
 class PolicyProposer:
@@ -89,11 +91,10 @@ class PolicyProposer:
         if cfg.adaptive:
             grown = state.draft_len + 2 if num_accepted == num_proposed else state.draft_len - 1
             state.draft_len = max(1, min(grown, cfg.max_draft_tokens))
-        state.history.append((num_accepted, num_proposed))
-        if len(state.history) > cfg.window:
-            state.history.popleft()
-        accepted, proposed = (sum(col) for col in zip(*state.history))
-        if len(state.history) == cfg.window and accepted < cfg.min_acceptance_rate * proposed:
+        state.steps += 1
+        state.accepted += num_accepted
+        state.proposed += num_proposed
+        if state.steps >= cfg.window and state.accepted < cfg.min_acceptance_rate * state.proposed:
             state.enabled = False
 
     def release(self, request_id: str) -> None:
