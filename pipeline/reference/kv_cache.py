@@ -32,11 +32,12 @@ class KVCache:
         self.quantized = kv_dtype == "INT8"
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_size)
         store = torch.int8 if self.quantized else dtype
-        self.k = torch.zeros(shape, dtype=store)  # [layers, slots, KVH, D]
-        self.v = torch.zeros(shape, dtype=store)
+        # empty, not zeros: untouched pages cost no memory, and attention only ever gathers written slots
+        self.k = torch.empty(shape, dtype=store)  # [layers, slots, KVH, D]
+        self.v = torch.empty(shape, dtype=store)
         if self.quantized:
-            self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32)  # [layers, slots, KVH, 1]
-            self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32)
+            self.k_scale = torch.empty(shape[:3] + (1,), dtype=torch.float32)  # [layers, slots, KVH, 1]
+            self.v_scale = torch.empty(shape[:3] + (1,), dtype=torch.float32)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, KVH, D] at `slots` [T]."""
