@@ -28,7 +28,7 @@ CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bi
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
 # Bump when pipeline/reference/convert.py changes the numbers it writes (e.g. a calibration change):
 # every reference step key changes, so stale engines are rebuilt rather than reused.
-REFERENCE_CONVERTER_VERSION = "2"
+REFERENCE_CONVERTER_VERSION = "3"
 
 
 @dataclass(frozen=True)

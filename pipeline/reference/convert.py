@@ -7,10 +7,10 @@ chat turns when the tokenizer has a chat template):
 - int4_awq: activation-aware scaling as in AWQ (Lin et al. 2023) for o_proj, gate/up (one shared scale)
   and down_proj: s = mean|x|^alpha with alpha searched on a grid to minimize the output error of the
   int4 weights on calibration inputs; the weight is quantized as w * s and `pre_quant_scale` = 1/s
-  scales the input. q/k/v stay plain grouped int4 (see AWQ_PLAIN).
+  scales the input. q/k/v stay plain grouped int4 (see UNSCALED).
 - int8_sq: SmoothQuant (Xiao et al. 2023) smoothing factors s = max|x|^0.5 / max|w|^0.5 per input
-  channel (shared like AWQ's); weight int8 per channel of w * s, `smoother` = s. Activations are NOT
-  quantized: the reference runs it weight-only.
+  channel of o_proj, gate/up (shared) and down_proj (q/k/v: s = 1); weight int8 per channel of w * s,
+  `smoother` = s. Activations are NOT quantized: the reference runs it weight-only.
 - fp8: per-channel float8_e4m3fn weights; activations stay in the compute dtype (weight-only).
 build: adds the engine limits and speculative-decoding settings (build_config) to the checkpoint.
 Weights load from safetensors; pickle files only when the spec allows them (torch.load weights_only).
@@ -35,9 +35,9 @@ CALIB_SEQ_LEN = 128
 CALIB_ROWS = 256  # input rows kept per linear for the AWQ scale search
 AWQ_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one calibrated scale per shared input
-# q/k/v stay plain int4 under int4_awq: their error passes through softmax, which a per-linear output loss
+# q/k/v get no calibrated input scale: their error passes through softmax, which a per-linear output loss
 # misses (AWQ proper measures the attention block's output); on SmolLM2 scaling them broke chat answers.
-AWQ_PLAIN = ("q_proj", "k_proj", "v_proj")
+UNSCALED = ("q_proj", "k_proj", "v_proj")
 ENGINE_VERSION = "reference-1"
 
 
@@ -141,7 +141,7 @@ def input_scales(state: dict, stats: dict, qformat: str, group_size: int) -> dic
         head, leaf = prefix.rsplit(".", 1)
         group = next((g for g in SHARED_INPUT if leaf in g), (leaf,))
         members = [f"{head}.{m}" for m in group if f"{head}.{m}.weight" in state]
-        if qformat == "int4_awq" and leaf in AWQ_PLAIN:
+        if leaf in UNSCALED:
             continue
         w = torch.cat([state[m + ".weight"].float() for m in members])  # [sum of out, in]
         s = awq_scale(w, stats[prefix], group_size) if qformat == "int4_awq" else smoothquant_scale(w, stats[prefix])
