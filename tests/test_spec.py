@@ -1,8 +1,14 @@
 """Spec validation: every bad spec gets one error naming the field path and the fix."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pipeline.spec import SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[1]
 
 BASE = """\
 name: t
@@ -59,12 +65,6 @@ def test_eagle_rules(spec_file, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the CLI's one-line errors
-
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
