@@ -1,6 +1,8 @@
 """Execute: cached reference builds, atomic steps, manifest, trtllm hand-off, `engines` from the CLI."""
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,8 +129,6 @@ def test_auto_toolchain_falls_back_with_one_notice(spec_file, capsys):
 
 
 def test_pickle_weights_are_refused_before_building(spec_file, derived_pair, tmp_path):
-    import shutil
-
     draft = shutil.copytree(derived_pair[1], tmp_path / "draft-pickle")
     (draft / "model.safetensors").unlink()
     (draft / "pytorch_model.bin").write_bytes(b"\x80\x04 pretend pickle")
@@ -157,8 +157,6 @@ def test_fp8_kv_cache_is_refused_by_the_reference_toolchain(spec_file):
 
 
 def test_ctrl_c_during_a_step_exits_130_and_leaves_no_partial_entry(spec_file):
-    import signal
-
     spec = load_spec(spec_file, ["models.target.qformat=int8_sq", "models.target.calib_size=2"])
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "engines", str(spec_file), "--set", "models.target.qformat=int8_sq",
                              "--set", "models.target.calib_size=2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

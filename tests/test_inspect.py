@@ -2,11 +2,14 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from pipeline.checkpoints import inspect_spec, safetensors_header
-from pipeline.models import make_random_eagle, make_random_medusa
+from pipeline.models import make_random_eagle, make_random_medusa, make_truncated_draft
 from pipeline.spec import SpecError, load_spec
 from pipeline.toymodels import make_tiny_llama, make_tokenizer
 
@@ -167,8 +170,6 @@ def test_kv_fraction_too_small_for_one_sequence(spec_file):
 
 
 def test_truncated_draft_is_compatible_by_construction(spec_file, derived_pair, tmp_path):
-    from pipeline.models import make_truncated_draft
-
     draft = make_truncated_draft(derived_pair[0], tmp_path / "draft-l2", num_layers=2)
     report = inspect_spec(load_spec(spec_file, [f"models.draft.checkpoint={draft}"]))
     assert report.models["draft"].num_layers == 2 and not report.warnings
@@ -178,10 +179,6 @@ def test_truncated_draft_is_compatible_by_construction(spec_file, derived_pair, 
 
 
 def test_inspect_cli_reports_incompatible_tokenizers_in_one_line(spec_file, draft_copy):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     make_tokenizer(draft_copy, vocab_size=400)
     result = subprocess.run([sys.executable, "-m", "pipeline", "inspect", str(spec_file), "--set",
                              f"models.draft.checkpoint={draft_copy}"], cwd=Path(__file__).resolve().parents[1],
