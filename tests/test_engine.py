@@ -101,12 +101,12 @@ def test_resent_prefix_computes_only_new_tokens(model):
     engine = make_engine(model)
     prompt = prompts(1, seed=4, lo=40, hi=41)[0]
     first = run(engine, {0: [Request("a", prompt, max_new_tokens=4)]})
-    sequence = prompt + first["a"]["tokens"]  # 44 tokens; the first 43 have KV: blocks 0-15 and 16-31 are full
+    sequence = prompt + first["a"]["tokens"]  # 44 tokens; the first 43 have KV: blocks 0-15 and 16-31 full, 32-42 partial
     before = engine.stats.computed_tokens
     second = run(engine, {0: [Request("b", sequence + [7, 8], max_new_tokens=3)]})
-    # prefill computes 46 - 32 = 14 tokens, then 2 decode steps of 1 token
-    assert engine.stats.computed_tokens - before == 14 + 2
-    assert engine.stats.cached_prompt_tokens == 32
+    # prefill computes only 46 - 43 = 3 tokens (partial reuse of the mid-block tail), then 2 decode steps of 1 token
+    assert engine.stats.computed_tokens - before == 3 + 2
+    assert engine.stats.cached_prompt_tokens == 43
     fresh = run(make_engine(model), {0: [Request("b", sequence + [7, 8], max_new_tokens=3)]})
     assert second["b"]["tokens"] == fresh["b"]["tokens"]
 

@@ -11,7 +11,7 @@ BS = 4
 def prefill(mgr: BlockManager, tokens: list[int]):
     """What the engine does for a new prompt: reuse cached blocks, allocate the rest, commit the full ones."""
     seq = mgr.match_prefix(tokens)
-    reused = len(seq.blocks) * BS
+    reused = seq.num_cached
     mgr.ensure_capacity(seq, len(tokens))
     mgr.commit(seq, tokens, len(tokens))
     return seq, reused
@@ -37,14 +37,14 @@ def test_hash_is_chained_over_the_whole_prefix():
 def test_last_token_is_never_served_from_cache():
     mgr = BlockManager(num_blocks=16, block_size=BS)
     prefill(mgr, list(range(8)))
-    _, reused = prefill(mgr, list(range(8)))  # fully cached prompt: its last block is recomputed for logits
-    assert reused == 4
+    _, reused = prefill(mgr, list(range(8)))  # fully cached prompt: only its last token is recomputed for logits
+    assert reused == 7  # one full block + 3 slots copied from the cached second block
 
 
 def cached_tokens(mgr: BlockManager, tokens: list[int]) -> int:
     """How many leading tokens a new request with `tokens` would reuse (then gives the blocks back)."""
     seq = mgr.match_prefix(tokens)
-    reused = len(seq.blocks) * BS
+    reused = seq.num_cached
     mgr.free(seq)
     return reused
 

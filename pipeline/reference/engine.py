@@ -5,12 +5,14 @@ Every `step()` builds one batch and runs one target forward:
    is set: a chain or a tree, verified in the same forward;
 2. waiting requests join while the batch has room (max_batch_size) and the step has token budget
    (max_num_tokens); a prompt longer than the budget is prefilled in chunks over several steps.
-   A joining request first takes the cached KV blocks of its longest known prefix, so it computes
-   only the tokens after it; a request with external `draft_tokens` verifies them in its prefill.
+   A joining request first takes the cached KV blocks of its longest known prefix (whole blocks, then
+   a copy of a cached partial block's matching slots), so it computes only the tokens after it; a
+   request with external `draft_tokens` verifies them in its prefill.
 Verification goes through `rejection_sampler.verify`: greedy (accepted prefix + the target's token)
 or lossless rejection sampling with the draft's q. A row without a draft is plain decoding (an
 empty draft verifies to exactly the sampled token). Requests leave as soon as they finish; their
-blocks go back to the block manager, full blocks stay cached for later requests with the prefix.
+blocks go back to the block manager; full blocks and the valid part of the last one stay cached for
+later requests with the prefix.
 """
 
 from __future__ import annotations
@@ -283,12 +285,13 @@ class LLMEngine:
         while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
             seq.blocks = self.blocks.match_prefix(seq.tokens)
-            seq.num_computed = len(seq.blocks.blocks) * self.config.tokens_per_block
+            seq.num_computed = seq.blocks.num_cached
             sched = self._prefill_rows(seq, budget)
             if sched is None or not self._reserve(seq, len(sched.new_tokens)):
                 self.blocks.free(seq.blocks)  # do not pin cached blocks while waiting
                 seq.num_computed = 0
                 break
+            self._copy_partial_match(seq)
             self.stats.cached_prompt_tokens += seq.num_computed
             self.waiting.popleft()
             self.running.append(seq)
@@ -338,9 +341,19 @@ class LLMEngine:
         self._requeue(seq)
         return False
 
+    def _copy_partial_match(self, seq: _Sequence) -> None:
+        """Copy-on-partial-reuse: the matched slots of a cached block into seq's own block (the source stays intact)."""
+        if seq.blocks.copy_source is None:
+            return
+        source, n = seq.blocks.copy_source
+        bs = self.config.tokens_per_block
+        start = len(seq.blocks.hashes) * bs  # first token after the reused full blocks
+        self.kv.copy_slots(torch.arange(source * bs, source * bs + n), self._slots(seq, list(range(start, start + n))))
+        self.blocks.release_copy_source(seq.blocks)
+
     def _requeue(self, seq: _Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.blocks)
+        self.blocks.free(seq.blocks, seq.tokens, seq.num_computed)
         seq.num_computed, seq.prefilled, seq.hidden = 0, False, []
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
@@ -414,7 +427,9 @@ class LLMEngine:
 
     def _finish(self, seq: _Sequence, new: list[int], reason: str, gen_logits: torch.Tensor | None = None,
                 error: str | None = None) -> RequestOutput:
-        self.blocks.free(seq.blocks)
+        # num_computed counts only tokens whose KV came from seq.tokens (not the last sampled token, not
+        # rejected draft slots); after a failed step, cache nothing partial
+        self.blocks.free(seq.blocks, seq.tokens, 0 if reason == "error" else seq.num_computed)
         if self.proposer is not None:
             self.proposer.release(seq.request.request_id)
         self.stats.spec.add(seq.stats)

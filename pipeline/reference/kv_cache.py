@@ -11,6 +11,13 @@ collisions of Python's tuple hash). A request whose prompt starts with cached fu
 them (reference count + 1) and computes only the rest. Blocks whose count drops to zero keep
 their hash and sit in an LRU list; they are reused by a later request with the same prefix or
 evicted (least recently freed first) when fresh blocks run out.
+
+Partial reuse (TensorRT-LLM's enable_partial_reuse + copy_on_partial_reuse): a freed sequence's
+last, partly valid block stays cached with its valid tokens, indexed (like every cached full block)
+under its parent block's hash. After the full-block walk, a request copies the longest common
+token prefix of one such block into a fresh block of its own, so the cached block stays intact
+for others. This is what makes a client that re-sends a growing sequence (the BLS verify rounds)
+compute only its new tokens instead of the whole unfinished last block.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class SequenceBlocks:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # hashes[i] belongs to blocks[i]
+    num_cached: int = 0  # leading tokens whose KV match_prefix found (full blocks + a partial copy)
+    copy_source: tuple[int, int] | None = None  # (cached block, n): copy its first n slots into blocks[len(hashes)]
 
 
 class BlockManager:
@@ -89,8 +98,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # full blocks only
         self.by_hash: dict[int, int] = {}  # hash -> block holding that prefix
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # valid tokens of a cached block (full or partial)
+        self.block_parent: list[int | None] = [None] * num_blocks  # its parent block's hash (None: first block)
+        self.by_parent: dict[int | None, dict[int, None]] = {}  # parent hash -> cached blocks after it (ordered set)
         self.free_fresh = list(range(num_blocks - 1, -1, -1))  # unhashed free blocks (stack)
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # hashed free blocks, least recently freed first
 
@@ -104,7 +116,12 @@ class BlockManager:
         return hash((parent, tuple(tokens)))
 
     def match_prefix(self, token_ids: list[int]) -> SequenceBlocks:
-        """Take the cached full blocks that start `token_ids` (never all of it: the last token is always computed)."""
+        """Take the cached full blocks that start `token_ids`, then a fresh block to copy a partial match into.
+
+        Never covers the last token (it is always computed, for its logits). With a partial match,
+        `copy_source` names the cached block and its matching slot count, pinned until the caller
+        has copied the KV and called `release_copy_source` (or `free`).
+        """
         seq = SequenceBlocks()
         bs, parent = self.block_size, None
         for i in range((len(token_ids) - 1) // bs):
@@ -116,7 +133,34 @@ class BlockManager:
             seq.blocks.append(block)
             seq.hashes.append(h)
             parent = h
+        start = len(seq.blocks) * bs
+        seq.num_cached = start
+        source, n = self._longest_partial(parent, token_ids[start:min(len(token_ids) - 1, start + bs)])
+        if n == 0:
+            return seq
+        self._take(source)  # pinned: allocating the copy's block must not evict it
+        if self.num_free == 0:
+            self.release_blocks([source])
+            return seq
+        seq.blocks.append(self._allocate())
+        seq.copy_source = (source, n)
+        seq.num_cached = start + n
         return seq
+
+    def release_copy_source(self, seq: SequenceBlocks) -> None:
+        """Unpin the block a partial match was copied from (after the KV copy)."""
+        if seq.copy_source is not None:
+            self.release_blocks([seq.copy_source[0]])
+            seq.copy_source = None
+
+    def _longest_partial(self, parent: int | None, tokens: list[int]) -> tuple[int, int]:
+        """The cached block after `parent` sharing the longest token prefix with `tokens`, and that length."""
+        best, best_n = -1, 0
+        for block in self.by_parent.get(parent, ()):
+            n = _common_prefix_len(self.block_tokens[block], tokens)
+            if n > best_n:
+                best, best_n = block, n
+        return best, best_n
 
     def ensure_capacity(self, seq: SequenceBlocks, num_tokens: int) -> None:
         """Append fresh blocks until `seq` holds `num_tokens` tokens; raises OutOfBlocks (allocating nothing)."""
@@ -130,24 +174,62 @@ class BlockManager:
         """Hash the full blocks among the first `num_valid` tokens (whose KV is final) so others can reuse them."""
         bs = self.block_size
         for i in range(len(seq.hashes), num_valid // bs):
-            h = self.chain_hash(seq.hashes[-1] if seq.hashes else None, token_ids[i * bs:(i + 1) * bs])
+            parent, tokens = seq.hashes[-1] if seq.hashes else None, tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, tokens)
             seq.hashes.append(h)
             block = seq.blocks[i]
             if h not in self.by_hash and self.block_hash[block] is None:
                 self.by_hash[h] = block
                 self.block_hash[block] = h
+                self._index(block, parent, tokens)
 
-    def free(self, seq: SequenceBlocks) -> None:
-        """Release every block of a finished or cancelled sequence."""
+    def free(self, seq: SequenceBlocks, token_ids: list[int] | None = None, num_valid: int = 0) -> None:
+        """Release every block of a finished or cancelled sequence.
+
+        With `token_ids`, the first `num_valid` of which have final KV (committed), the valid tokens of
+        its last, partly filled block stay cached for partial reuse.
+        """
+        full = num_valid // self.block_size
+        if token_ids is not None and num_valid % self.block_size and len(seq.hashes) == full < len(seq.blocks):
+            self._cache_partial(seq.blocks[full], seq.hashes[-1] if full else None, tuple(token_ids[full * self.block_size:num_valid]))
+        self.release_copy_source(seq)
         self.release_blocks(seq.blocks)
-        seq.blocks, seq.hashes = [], []
+        seq.blocks, seq.hashes, seq.num_cached = [], [], 0
+
+    def _cache_partial(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Index a partly valid block, unless a cached block already covers its tokens; drops the entries it covers."""
+        if self.ref_count[block] != 1 or self.block_tokens[block] is not None:
+            return
+        for other in list(self.by_parent.get(parent, ())):
+            cached = self.block_tokens[other]
+            if cached[:len(tokens)] == tokens:
+                return
+            if tokens[:len(cached)] == cached and self.block_hash[other] is None and self.ref_count[other] == 0:
+                self._unindex(other)  # a shorter copy of the same prefix: make it a fresh block
+                del self.free_cached[other]
+                self.free_fresh.append(other)
+        self._index(block, parent, tokens)
+
+    def _index(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        self.block_tokens[block], self.block_parent[block] = tokens, parent
+        self.by_parent.setdefault(parent, {})[block] = None
+
+    def _unindex(self, block: int) -> None:
+        if self.block_hash[block] is not None:
+            del self.by_hash[self.block_hash[block]]
+            self.block_hash[block] = None
+        siblings = self.by_parent[self.block_parent[block]]
+        del siblings[block]
+        if not siblings:
+            del self.by_parent[self.block_parent[block]]
+        self.block_tokens[block] = self.block_parent[block] = None
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Decrement reference counts; unreferenced hashed blocks become evictable, others fresh."""
         for block in reversed(blocks):  # tail blocks first, so the LRU evicts them before the shared prefix
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                if self.block_hash[block] is not None:
+                if self.block_tokens[block] is not None:
                     self.free_cached[block] = None
                 else:
                     self.free_fresh.append(block)
@@ -162,7 +244,15 @@ class BlockManager:
             block = self.free_fresh.pop()
         else:
             block, _ = self.free_cached.popitem(last=False)  # evict the least recently freed cached block
-            del self.by_hash[self.block_hash[block]]
-            self.block_hash[block] = None
+            self._unindex(block)
         self.ref_count[block] = 1
         return block
+
+
+def _common_prefix_len(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
