@@ -177,11 +177,12 @@ def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None) -> PolicyPr
     return PolicyProposer(inner, PolicyConfig(num_draft_tokens=k, max_draft_tokens=k))
 
 
-def bench_pair(pair: Pair, ks: list[int], dtype: str, bandwidth: float, progress: tqdm) -> list[dict]:
+def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm) -> list[dict]:
     """Every measurement of one pair: rows of the results table."""
     from transformers import AutoModelForCausalLM
 
     rows = []
+    bandwidth = read_bandwidth_gbs()  # per pair: the load of a shared machine changes within minutes
     target = LlamaModel.from_hf(pair.target, dtype)
     draft = hf_draft = None
     if pair.draft is not None:
@@ -218,7 +219,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, bandwidth: float, progress
         progress.update()
     roofline = bandwidth * 1e9 / target.weight_bytes
     rows.append({"pair": pair.name, "engine": "roofline", "method": "weights/bandwidth", "batch": 1, "k": 0,
-                 "tok_s": round(roofline, 2), "weight_mb": round(target.weight_bytes / 1e6, 1)})
+                 "tok_s": round(roofline, 2), "weight_mb": round(target.weight_bytes / 1e6, 1),
+                 "bandwidth_gbs": round(bandwidth, 2)})
     return rows
 
 
@@ -272,8 +274,10 @@ def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
 
 def render_markdown(result: dict) -> str:
     """The results table and the goals, as markdown."""
-    lines = [f"Run {result['date']}, dtype {result['dtype']}, {result['threads']} torch thread(s), {NEW_TOKENS} new tokens, read bandwidth "
-             f"{result['bandwidth_gbs']:.1f} GB/s, {result['seconds']:.0f} s wall. Command: `{result['command']}`", "",
+    bandwidths = ", ".join(f"{r['pair']} {r['bandwidth_gbs']:.1f}" for r in result["rows"] if r["engine"] == "roofline")
+    lines = [f"Run {result['date']}, dtype {result['dtype']}, {result['threads']} torch thread(s), {NEW_TOKENS} new tokens, "
+             f"{result['seconds']:.0f} s wall, read bandwidth GB/s (measured before each pair): {bandwidths}. "
+             f"Command: `{result['command']}`", "",
              "| pair | engine | method | batch | K | tok/s | vs our plain | acceptance | accepted/step | tokens/forward |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -332,19 +336,18 @@ def main(argv: list[str] | None = None) -> None:
     n_prompts = 3 if args.full else args.prompts
     pairs = make_pairs(args.pairs.split(","), n_prompts)
     started = time.time()
-    bandwidth = read_bandwidth_gbs()
     rows: list[dict] = []
     pair_ks = {p.name: smollm2_ks if p.name.startswith("smollm2") else ks for p in pairs}
     total = sum(2 * (1 + len(k)) + 1 + len(k) for k in pair_ks.values())
     with tqdm(total=total, desc="bench-engine", unit="run") as progress:
         for pair in pairs:
-            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, bandwidth, progress)
+            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress)
     speedups(rows)
     argv = sys.argv[1:] if argv is None else argv
     command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "dtype": args.dtype,
               "threads": torch.get_num_threads(),
-              "bandwidth_gbs": round(bandwidth, 2), "seconds": round(time.time() - started, 1), "command": command,
+              "seconds": round(time.time() - started, 1), "command": command,
               "rows": rows}
     result["goals"] = goals(rows)
     out = Path(args.out)
