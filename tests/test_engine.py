@@ -111,6 +111,68 @@ def test_resent_prefix_computes_only_new_tokens(model):
     assert second["b"]["tokens"] == fresh["b"]["tokens"]
 
 
+def test_bls_like_verify_rounds_compute_only_the_new_tokens(model, hf):
+    """Each round re-sends prompt + accepted tokens + the target's token with the next draft (as the BLS does);
+    with 32-token blocks, partial reuse makes a round compute exactly its K + 1 new tokens, and the result
+    is plain greedy."""
+    k, n = 4, 30
+    prompt = prompts(1, seed=20, lo=25, hi=26)[0]  # the rounds cross the block boundary at 32 and 64
+    plain = hf_greedy(hf, prompt, n + k + 1)
+    engine = make_engine(model, tokens_per_block=32, max_draft_len=k)
+    sequence, per_round = list(prompt), []
+    for i in range(100):
+        done = len(sequence) - len(prompt)
+        if done >= n:
+            break
+        draft = plain[done:done + k]
+        if i % (k + 1) < k:  # a wrong token at a different position each round; every 5th draft is all right
+            draft[i % (k + 1)] = (draft[i % (k + 1)] + 1) % VOCAB
+        before = engine.stats.computed_tokens
+        res = run(engine, {0: [Request(f"r{i}", sequence, max_new_tokens=k + 1, draft_tokens=draft)]})
+        per_round.append(engine.stats.computed_tokens - before)
+        sequence += res[f"r{i}"]["tokens"]
+    assert sequence[len(prompt):] == plain[:len(sequence) - len(prompt)]
+    assert per_round[0] == len(prompt) + k and set(per_round[1:]) == {k + 1}
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_copy_on_partial_reuse_keeps_the_source_block_intact(model):
+    engine = make_engine(model)  # 16-token blocks
+    a = prompts(1, seed=21, lo=40, hi=41)[0]
+    run(engine, {0: [Request("a", a, max_new_tokens=1)]})  # KV of all 40 prompt tokens; tail 32-39 stays cached
+    source = engine.blocks.block_tokens.index(tuple(a[32:40]))
+    slots = torch.arange(source * 16, source * 16 + 8)
+    k_before, v_before = engine.kv.k[:, slots].clone(), engine.kv.v[:, slots].clone()
+    before = engine.stats.computed_tokens
+    run(engine, {0: [Request("b", a[:36] + [1, 2, 3, 4, 5, 6], max_new_tokens=3)]})  # copies slots 32-35, writes 36+
+    assert engine.stats.computed_tokens - before == 6 + 2
+    assert torch.equal(engine.kv.k[:, slots], k_before) and torch.equal(engine.kv.v[:, slots], v_before)
+    before = engine.stats.computed_tokens
+    third = run(engine, {0: [Request("c", a + [7, 8], max_new_tokens=5)]})
+    assert engine.stats.computed_tokens - before == 2 + 4  # all 40 tokens of a reused, 8 of them from the source
+    assert third["c"]["tokens"] == run(make_engine(model), {0: [Request("c", a + [7, 8], max_new_tokens=5)]})["c"]["tokens"]
+
+
+def test_eviction_of_a_partially_reused_block_is_safe(model):
+    """B copies A's cached tail, then D's prefill evicts that tail while B still decodes: B is unaffected."""
+    a = prompts(1, seed=22, lo=20, hi=21)[0]
+    d = prompts(1, seed=23, lo=30, hi=31)[0]
+    engine = make_engine(model, num_blocks=4)
+    a_tokens = run(engine, {0: [Request("a", a, max_new_tokens=2)]})["a"]["tokens"]  # 21 tokens of KV: full block + 5
+    tail = tuple((a + a_tokens)[16:21])
+    b = (a + a_tokens)[:21] + [9, 8, 7]
+    engine.add_request(Request("b", b, max_new_tokens=8))
+    b_tokens = [t for out in engine.step() for t in out.new_token_ids]
+    assert tail in engine.blocks.block_tokens and engine.stats.cached_prompt_tokens == 21  # one full block + 5 copied slots
+    engine.add_request(Request("d", d, max_new_tokens=1))
+    b_tokens += [t for out in engine.step() if out.request_id == "b" for t in out.new_token_ids]
+    assert tail not in engine.blocks.block_tokens  # evicted for D's prefill, gone from the index
+    assert [s.request.request_id for s in engine.running] == ["b"]
+    b_tokens += run(engine, {})["b"]["tokens"]
+    assert b_tokens == run(make_engine(model), {0: [Request("b", b, max_new_tokens=8)]})["b"]["tokens"]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_cancel_frees_blocks_and_others_continue(model):
     engine = make_engine(model)
     ps = prompts(2, seed=5)

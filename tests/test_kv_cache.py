@@ -100,3 +100,68 @@ def test_kv_write_gather_and_int8_round_trip():
 def test_unknown_kv_cache_quant_algo_is_refused():
     with pytest.raises(ValueError, match="kv_cache_quant_algo"):
         KVCache(1, 1, BS, 1, 8, torch.float32, kv_dtype="FP8")
+
+
+# ------------------------------------------------------------------ partial-block reuse (copy on reuse)
+
+def finish(mgr: BlockManager, tokens: list[int], num_valid: int):
+    """A sequence that computed `num_valid` of `tokens` and leaves: its valid tail block stays cached."""
+    seq, _ = prefill(mgr, tokens[:num_valid])
+    mgr.ensure_capacity(seq, len(tokens))
+    mgr.free(seq, tokens, num_valid)
+
+
+def test_valid_tail_of_a_freed_sequence_is_copied_not_shared():
+    mgr = BlockManager(num_blocks=16, block_size=BS)
+    tokens = list(range(11))
+    finish(mgr, tokens, 10)  # token 10 was sampled last: its KV was never computed
+    source = next(b for b in range(16) if mgr.block_tokens[b] == (8, 9))
+    seq = mgr.match_prefix(tokens + [50, 51])
+    assert seq.num_cached == 10  # two full blocks + slots 8, 9; token 10 is not cached
+    assert seq.copy_source == (source, 2) and seq.blocks[2] != source
+    assert mgr.ref_count[source] == 1  # pinned until the KV is copied
+    mgr.release_copy_source(seq)
+    assert mgr.ref_count[source] == 0 and source in mgr.free_cached
+    assert cached_tokens(mgr, list(range(9)) + [77, 78]) == 9  # longest common prefix: slot 8 only
+
+
+def test_full_blocks_are_partial_candidates_and_the_last_token_is_computed():
+    mgr = BlockManager(num_blocks=16, block_size=BS)
+    finish(mgr, [5, 6, 7, 8, 9], 4)
+    assert cached_tokens(mgr, [5, 6, 1, 2]) == 2  # two slots of the full block [5, 6, 7, 8]
+    assert cached_tokens(mgr, [5, 6, 7, 8]) == 3
+
+
+def test_a_longer_tail_supersedes_its_prefix_entry():
+    """BLS rounds: each round's tail extends the previous one; only the longest stays indexed."""
+    mgr = BlockManager(num_blocks=16, block_size=BS)
+    finish(mgr, list(range(7)), 6)  # tail (4, 5)
+    first = next(b for b in range(16) if mgr.block_tokens[b] == (4, 5))
+    finish(mgr, list(range(8)), 7)  # tail (4, 5, 6)
+    assert mgr.block_tokens[first] is None and first not in mgr.free_cached
+    assert [mgr.block_tokens[b] for b in range(16)].count((4, 5, 6)) == 1
+    finish(mgr, list(range(6)), 5)  # (4,) is covered by (4, 5, 6): nothing new is indexed
+    assert sum(t is not None for t in mgr.block_tokens) == 2
+    assert cached_tokens(mgr, list(range(8)) + [1]) == 7
+
+
+def test_evicted_partial_block_leaves_the_index():
+    mgr = BlockManager(num_blocks=3, block_size=BS)
+    finish(mgr, [1, 2, 3, 4, 5, 6, 7], 6)  # one full block [1-4] + tail (5, 6)
+    assert cached_tokens(mgr, [1, 2, 3, 4, 5, 6, 0]) == 6
+    mgr.free(prefill(mgr, [9] * 10)[0])  # 3 blocks: evicts both cached blocks
+    assert cached_tokens(mgr, [1, 2, 3, 4, 5, 6, 0]) == 0
+    assert all(t is None or t[0] == 9 for t in mgr.block_tokens) and mgr.by_hash.keys() == {
+        mgr.chain_hash(None, [9] * 4), mgr.chain_hash(mgr.chain_hash(None, [9] * 4), [9] * 4)}
+
+
+def test_copy_source_is_not_evicted_by_the_copy_or_the_rest_of_the_prompt():
+    mgr = BlockManager(num_blocks=2, block_size=BS)
+    finish(mgr, [1, 2, 3], 2)  # tail (1, 2) in one block; the other block is fresh
+    seq = mgr.match_prefix([1, 2, 5, 6, 7, 8])
+    assert seq.num_cached == 2 and mgr.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        mgr.ensure_capacity(seq, 6)  # would need to evict the pinned source
+    mgr.free(seq)
+    assert mgr.num_free == 2 and all(r == 0 for r in mgr.ref_count)
+    assert cached_tokens(mgr, [1, 2, 9]) == 2  # the source kept its tokens

@@ -189,10 +189,10 @@ class BlockManager:
         With `token_ids`, the first `num_valid` of which have final KV (committed), the valid tokens of
         its last, partly filled block stay cached for partial reuse.
         """
+        self.release_copy_source(seq)
         full = num_valid // self.block_size
         if token_ids is not None and num_valid % self.block_size and len(seq.hashes) == full < len(seq.blocks):
             self._cache_partial(seq.blocks[full], seq.hashes[-1] if full else None, tuple(token_ids[full * self.block_size:num_valid]))
-        self.release_copy_source(seq)
         self.release_blocks(seq.blocks)
         seq.blocks, seq.hashes, seq.num_cached = [], [], 0
 
