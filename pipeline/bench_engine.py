@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import EngineConfig, LLMEngine, Request
-from pipeline.reference.metrics import aggregate
+from pipeline.reference.metrics import SpecStats, aggregate
 from pipeline.reference.model import LlamaModel, config_from_hf
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import NgramProposer
@@ -135,8 +135,8 @@ def weak_draft(draft_dir: Path, dtype: str):
     return LlamaForCausalLM(AutoConfig.from_pretrained(draft_dir)).to(TORCH_DTYPES[dtype]).eval()
 
 
-def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, dict]:
-    """Generate NEW_TOKENS for every prompt concurrently in one engine; returns (tokens/s, speculation summary)."""
+def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, SpecStats]:
+    """Generate NEW_TOKENS for every prompt concurrently in one engine; returns (tokens/s, summed speculation stats)."""
     config = EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400,
                           num_blocks=BATCH * 48)  # 1536 tokens per request: the longest prompt + 128 + drafts
     engine = LLMEngine(model, config, proposer)
@@ -150,7 +150,7 @@ def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tupl
             if out.finished:
                 stats.append(out.stats)
     seconds = time.perf_counter() - start
-    return generated / seconds, aggregate(stats).summary()
+    return generated / seconds, aggregate(stats)
 
 
 def run_hf(target, prompts: list[list[int]], assistant=None, k: int = 0, lookup: bool = False) -> float:
@@ -196,9 +196,10 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm) -> list[di
         if batch == 1:
             results = [run_ours(target, [p], proposer) for p in prompts]
             tps = len(results) / sum(1 / r[0] for r in results)  # total tokens / total time
-            spec = results[-1][1]
+            spec = aggregate([r[1] for r in results]).summary()
         else:
-            tps, spec = run_ours(target, prompts, proposer)
+            tps, stats = run_ours(target, prompts, proposer)
+            spec = stats.summary()
         rows.append({"pair": pair.name, "engine": "ours", "method": label, "batch": batch, "k": k, "tok_s": round(tps, 2),
                      **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward")}})
         progress.update()
