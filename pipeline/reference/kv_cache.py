@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.sequences import common_prefix_len
+
 
 class KVCache:
     """Preallocated K/V storage for every layer, addressed by slot index."""
@@ -157,7 +159,7 @@ class BlockManager:
         """The cached block after `parent` sharing the longest token prefix with `tokens`, and that length."""
         best, best_n = -1, 0
         for block in self.by_parent.get(parent, ()):
-            n = _common_prefix_len(self.block_tokens[block], tokens)
+            n = common_prefix_len(self.block_tokens[block], tokens)
             if n > best_n:
                 best, best_n = block, n
         return best, best_n
@@ -247,12 +249,3 @@ class BlockManager:
             self._unindex(block)
         self.ref_count[block] = 1
         return block
-
-
-def _common_prefix_len(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -25,6 +25,7 @@ import numpy as np
 
 from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, find_stop
+from pipeline.sequences import common_prefix_len
 from pipeline.serving.params import BlsSettings, RequestError, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
@@ -198,17 +199,8 @@ class SpeculativeDecoder:
         out = await self.client.generate(self.settings.target_model, seq, len(draft) + 1, req, seed,
                                          draft_ids=draft, draft_logits=draft_logits if req.use_draft_logits else None)
         # The target returns the accepted prefix plus one token of its own; fewer means it hit end_id or a stop word.
-        accepted = min(_common_prefix(draft, out.tokens), len(draft))
+        accepted = min(common_prefix_len(draft, out.tokens), len(draft))
         return out.tokens, len(draft), accepted, len(out.tokens) < accepted + 1
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _round_seed(req: TextRequest, offset: int) -> int | None:
