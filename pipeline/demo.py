@@ -9,12 +9,10 @@ prompt-lookup speculation pays.
 from __future__ import annotations
 
 import argparse
-import queue
 import sys
 import time
-from dataclasses import dataclass
 
-import numpy as np
+from clients.client import Completion, GenerateRequest, TritonClient
 
 DEMO_PROMPTS = [
     "Correct the spelling in this sentence and write it out again: \"The quikc brown fox jumpd over the lazzy dog "
@@ -25,18 +23,6 @@ DEMO_PROMPTS = [
 MAX_TOKENS = 96
 
 
-@dataclass
-class Run:
-    """One streamed request's text and timings."""
-
-    text: str
-    seconds: float
-    first_token_s: float
-    output_tokens: int
-    draft_tokens: int
-    accepted_tokens: int
-
-
 def chat_prompt(tokenizer, question: str) -> str:
     """The prompt text with the model's chat template when it has one."""
     if getattr(tokenizer, "chat_template", None):
@@ -45,67 +31,31 @@ def chat_prompt(tokenizer, question: str) -> str:
     return question
 
 
-def stream_once(grpc_url: str, prompt: str, num_draft_tokens: int, echo: bool) -> Run:
-    """Send one streaming request to tensorrt_llm_bls and print the text as it arrives."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    fields = {"text_input": np.array([[prompt.encode()]], dtype=object),
-              "max_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
-              "stream": np.array([[True]], dtype=bool),
-              "num_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
-              "return_num_output_tokens": np.array([[True]], dtype=bool)}
-    inputs = []
-    for name, arr in fields.items():
-        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(grpc_url)
-    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
-    start = time.perf_counter()
-    client.async_stream_infer("tensorrt_llm_bls", inputs, request_id="demo", enable_empty_final_response=True)
-    pieces, first, last = [], None, None
-    while True:
-        stamp, result, error = events.get(timeout=600)
-        if error is not None:
-            client.stop_stream()
-            raise RuntimeError(f"request failed: {error}")
-        text = result.as_numpy("text_output")
-        if text is not None and text[0]:
-            piece = text[0].decode("utf-8")
-            first = first or stamp
-            pieces.append(piece)
-            if echo:
-                sys.stdout.write(piece)
+def stream_once(grpc_url: str, prompt: str, num_draft_tokens: int, echo: bool) -> Completion:
+    """Stream one request to tensorrt_llm_bls, echoing the text as it arrives; returns its Completion."""
+    request = GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, num_draft_tokens=num_draft_tokens, request_id="demo")
+    with TritonClient(grpc_url, protocol="grpc", model="tensorrt_llm_bls", timeout_s=600) as client:
+        start, deltas = time.perf_counter(), []
+        for delta in client.stream(request):
+            deltas.append(delta)
+            if echo and delta.text:
+                sys.stdout.write(delta.text)
                 sys.stdout.flush()
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            last = result
-            end = stamp
-            break
-    client.stop_stream()
-    client.close()
-
-    def value(name):
-        v = last.as_numpy(name)
-        return int(v.reshape(-1)[0]) if v is not None else 0
-
-    return Run(text="".join(pieces), seconds=end - start, first_token_s=(first or end) - start,
-               output_tokens=value("num_output_tokens"), draft_tokens=value("total_draft_tokens"),
-               accepted_tokens=value("total_accepted_draft_tokens"))
+        return Completion.from_deltas(request, deltas, time.perf_counter() - start)
 
 
-def describe(run: Run) -> str:
+def describe(run: Completion) -> str:
     """One line of numbers for a run."""
-    rate = run.output_tokens / run.seconds if run.seconds else 0.0
-    line = f"{run.output_tokens} tokens in {run.seconds:.2f} s ({rate:.1f} tok/s, first text after {run.first_token_s:.2f} s)"
-    if run.draft_tokens:
-        line += (f"; accepted {run.accepted_tokens}/{run.draft_tokens} draft tokens "
-                 f"({100 * run.accepted_tokens / run.draft_tokens:.0f}%)")
+    tokens = run.num_output_tokens or 0
+    line = (f"{tokens} tokens in {run.latency_s:.2f} s ({tokens / run.latency_s:.1f} tok/s, "
+            f"first text after {run.ttft_s:.2f} s)")
+    if run.total_draft_tokens:
+        line += (f"; accepted {run.total_accepted_draft_tokens}/{run.total_draft_tokens} draft tokens "
+                 f"({100 * run.acceptance_rate:.0f}%)")
     return line
 
 
-def run_demo(spec, log=print) -> list[tuple[Run, Run]]:
+def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
     """Build what is missing, serve, stream the demo prompts plain and speculative; returns the run pairs."""
     from pipeline.execute import run_reference
     from pipeline.repo.assemble import assemble
@@ -139,12 +89,12 @@ def run_demo(spec, log=print) -> list[tuple[Run, Run]]:
                 runs.append(stream_once(server.grpc_url, prompt, draft, echo=True))
                 log(f"\n    [{describe(runs[-1])}]")
             plain, spec_run = runs
-            log(f"    speedup {plain.seconds / spec_run.seconds:.2f}x; identical text: {'yes' if plain.text == spec_run.text else 'no'}")
+            log(f"    speedup {plain.latency_s / spec_run.latency_s:.2f}x; identical text: {'yes' if plain.text == spec_run.text else 'no'}")
             pairs.append((plain, spec_run))
-    total_plain = sum(p.seconds for p, _ in pairs)
-    total_spec = sum(q.seconds for _, q in pairs)
-    drafted = sum(q.draft_tokens for _, q in pairs)
-    accepted = sum(q.accepted_tokens for _, q in pairs)
+    total_plain = sum(p.latency_s for p, _ in pairs)
+    total_spec = sum(q.latency_s for _, q in pairs)
+    drafted = sum(q.total_draft_tokens for _, q in pairs)
+    accepted = sum(q.total_accepted_draft_tokens for _, q in pairs)
     log(f"\nsummary: acceptance {accepted}/{drafted} ({100 * accepted / max(drafted, 1):.0f}%), "
         f"speedup {total_plain / total_spec:.2f}x over {len(pairs)} prompts; demo took {time.perf_counter() - t0:.0f} s; "
         "server stopped")
