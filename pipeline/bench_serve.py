@@ -94,45 +94,19 @@ async def local_bls(decoder, requests, concurrency: int) -> tuple[float, int, in
 
 def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurrency: int) -> tuple[float, int]:
     """(seconds, tokens) for the same requests through Triton (gRPC streams, `concurrency` at a time)."""
-    import queue
+    from clients.client import AsyncTritonClient, GenerateRequest
 
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
+    async def run() -> tuple[float, int]:
+        async with AsyncTritonClient(grpc_url, protocol="grpc", model="tensorrt_llm_bls", timeout_s=600) as client:
+            start, tokens = time.perf_counter(), 0
+            for i in range(0, len(texts), concurrency):
+                batch = [GenerateRequest(prompt=text, max_tokens=max_tokens, num_draft_tokens=k, request_id=f"{i}-{j}")
+                         for j, text in enumerate(texts[i:i + concurrency])]
+                for done in await asyncio.gather(*(client.stream_completion(r) for r in batch)):
+                    tokens += done.num_output_tokens or 0
+            return time.perf_counter() - start, tokens
 
-    def inputs(text):
-        fields = {"text_input": np.array([[text.encode()]], dtype=object),
-                  "max_tokens": np.array([[max_tokens]], dtype=np.int32),
-                  "num_draft_tokens": np.array([[k]], dtype=np.int32),
-                  "stream": np.array([[True]], dtype=bool),
-                  "return_num_output_tokens": np.array([[True]], dtype=bool)}
-        out = []
-        for name, arr in fields.items():
-            t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-            t.set_data_from_numpy(arr)
-            out.append(t)
-        return out
-
-    client = grpcclient.InferenceServerClient(grpc_url)
-    done: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: done.put((result, error)))
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(texts), concurrency):
-        batch = texts[i:i + concurrency]
-        for j, text in enumerate(batch):
-            client.async_stream_infer("tensorrt_llm_bls", inputs(text), request_id=f"{i}-{j}")
-        finished = 0
-        while finished < len(batch):
-            result, error = done.get(timeout=600)
-            if error is not None:
-                raise RuntimeError(str(error))
-            n = result.as_numpy("num_output_tokens")
-            if n is not None:
-                tokens += int(n.reshape(-1)[0])
-                finished += 1
-    elapsed = time.perf_counter() - start
-    client.stop_stream()
-    client.close()
-    return elapsed, tokens
+    return asyncio.run(run())
 
 
 def run_bench(spec, log=print) -> str:
