@@ -167,13 +167,23 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, proposer: Proposer | None = None, **config_overrides) -> "LLMEngine":
-        """Load an engine directory (config.json + rank0.safetensors) with its build limits."""
+    def from_engine_dir(cls, engine_dir: str | Path, proposer: Proposer | None = None, choices=None,
+                        dynamic_top_k: int | None = None, **config_overrides) -> "LLMEngine":
+        """Load an engine directory (config.json + rank0.safetensors) with its build limits.
+
+        choices / dynamic_top_k: the tree of a Medusa / EAGLE engine (see speculation.engine_proposer);
+        given either, the engine speculates with the proposer built from its own stored weights.
+        """
         from pipeline.reference.checkpoint import load_engine
+        from pipeline.reference.speculation import engine_proposer
 
         config, state = load_engine(engine_dir)
         engine_config = EngineConfig.from_engine_config(config, **config_overrides)
-        model = LlamaModel(config.get("pretrained_config", config), state, batch_invariant=engine_config.batch_invariant)
+        pretrained = config.get("pretrained_config", config)
+        model = LlamaModel(pretrained, state, batch_invariant=engine_config.batch_invariant)
+        if proposer is None and (choices is not None or dynamic_top_k is not None):
+            proposer = engine_proposer(pretrained, state, model, choices=choices, dynamic_top_k=dynamic_top_k,
+                                       max_batch_size=engine_config.max_batch_size, max_seq_len=engine_config.max_seq_len)
         return cls(model, engine_config, proposer)
 
     # ------------------------------------------------------------ requests

@@ -95,6 +95,8 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
         params.update(decoding_mode="medusa", medusa_choices=_choices_brace(s.medusa.choices))
     if name == "tensorrt_llm" and s.mode == "eagle":
         params.update(decoding_mode="eagle", eagle_choices=_choices_brace(s.eagle.choices))
+        if toolchain == "reference" and s.eagle.version == 2:  # the reference engine grows EAGLE-2's dynamic tree
+            params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)
     if toolchain == "trtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)

@@ -56,6 +56,8 @@ EXTENSIONS: dict[str, Interface] = {
         "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
         "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
         "min_acceptance_rate", "skip_special_tokens"})),
+    # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses eagle_choices).
+    "tensorrt_llm": Interface(inputs=(), outputs=(), parameter_keys=frozenset({"eagle_dynamic_tree_top_k"})),
 }
 
 

@@ -137,16 +137,36 @@ class MeteredEngine(LLMEngine):
             self.on_step(time.perf_counter() - start)
 
 
-def load_serving_engine(engine_dir) -> MeteredEngine:
+def parse_choices(text: str) -> list[tuple[int, ...]]:
+    """TensorRT-LLM's brace format for medusa_choices / eagle_choices: "{0}, {0, 0}, {1}" -> [(0,), (0, 0), (1,)]."""
+    import re
+
+    choices = [tuple(int(i) for i in body.replace(" ", "").split(",") if i) for body in re.findall(r"\{([^{}]*)\}", text)]
+    if not choices or any(not c for c in choices):
+        raise ValueError(f"tree choices {text!r}: write them as brace lists, e.g. \"{{0}}, {{0, 0}}, {{1}}\"")
+    return choices
+
+
+def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) -> MeteredEngine:
     """The engine as tensorrt_llm serves it: inputs up to max_seq_len - 1 (a verify call re-sends the whole
     sequence as input_ids) and the engine's built tokens_per_block (32 by default): partial-block KV reuse
     makes each such call compute only its new tokens at any block size (measured on SmolLM2 verify rounds
-    with K = 4: 5.0 tokens per round with 32-token blocks, against 24.1 with whole-block reuse only)."""
+    with K = 4: 5.0 tokens per round with 32-token blocks, against 24.1 with whole-block reuse only).
+
+    parameters: the model's config.pbtxt parameters. A Medusa / EAGLE engine speculates inside itself on
+    the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
+    `eagle_dynamic_tree_top_k` when that is set.
+    """
     import json
     from pathlib import Path
 
+    parameters = parameters or {}
     max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
-    return MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1)
+    tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
+    top_k = parameters.get("eagle_dynamic_tree_top_k")
+    return MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1,
+                                         choices=parse_choices(tree) if tree and not top_k else None,
+                                         dynamic_top_k=int(top_k) if top_k else None)
 
 
 class ResponseBuilder:

@@ -24,7 +24,7 @@ class TritonPythonModel:
         params = triton_io.model_parameters(args)
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
-        self.engine = load_serving_engine(params["gpt_model_path"])
+        self.engine = load_serving_engine(params["gpt_model_path"], params)
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
