@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from pipeline.models import make_random_medusa
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
-from tests.triton_fixtures import write_spec
+from tests.triton_fixtures import serving, write_spec
 
 MAX_TOKENS = 16
 CHOICES = [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
@@ -24,8 +24,6 @@ CHOICES = [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
 def medusa_server(tmp_path_factory, derived_pair):
     """ONE server on a tiny target with random Medusa heads (repository assembled by the real pipeline)."""
     from pipeline.execute import run_reference
-    from pipeline.repo.assemble import assemble
-    from pipeline.server import TritonServer, free_ports
     from pipeline.spec import load_spec
 
     folder = tmp_path_factory.mktemp("medusa-spec")
@@ -35,15 +33,8 @@ def medusa_server(tmp_path_factory, derived_pair):
                                 speculative={"mode": "medusa", "max_draft_len": 8, "num_draft_tokens": 5,
                                              "medusa": {"checkpoint": str(heads), "choices": CHOICES}}))
     run_reference(spec)
-    repo = assemble(spec, "reference")
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          log_file=spec.out_dir / "tritonserver.log", startup_timeout_s=300)
-    server.start()
-    try:
+    with serving(spec) as (server, _repo):
         yield server, target
-    finally:
-        server.stop()
 
 
 def _greedy(target: Path, prompt_ids: list[int]) -> list[int]:

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -111,21 +114,28 @@ def shorten_draft_engine(engine_link: Path, max_seq_len: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-@pytest.fixture(scope="session")
-def triton_server(tiny_spec_engines) -> TritonHandle:
-    """ONE real Triton server on the assembled tiny repository, shared by the whole session."""
+@contextmanager
+def serving(spec) -> Iterator[tuple[Any, Path]]:
+    """Assemble the spec's reference repository and run one real Triton server on free ports: (server, repo)."""
     from pipeline.repo.assemble import assemble
     from pipeline.server import TritonServer, free_ports
 
-    spec = tiny_spec_engines.spec
-    shorten_draft_engine(spec.out_dir / "engines" / "draft", DRAFT_MAX_SEQ_LEN)
     repo = assemble(spec, "reference")
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                           log_file=spec.out_dir / "tritonserver.log", startup_timeout_s=300)
     server.start()
     try:
-        yield TritonHandle(server=server, spec=spec, repo=repo, target_dir=tiny_spec_engines.target_dir,
-                           draft_dir=tiny_spec_engines.draft_dir)
+        yield server, repo
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_server(tiny_spec_engines) -> TritonHandle:
+    """ONE real Triton server on the assembled tiny repository, shared by the whole session."""
+    spec = tiny_spec_engines.spec
+    shorten_draft_engine(spec.out_dir / "engines" / "draft", DRAFT_MAX_SEQ_LEN)
+    with serving(spec) as (server, repo):
+        yield TritonHandle(server=server, spec=spec, repo=repo, target_dir=tiny_spec_engines.target_dir,
+                           draft_dir=tiny_spec_engines.draft_dir)
