@@ -18,7 +18,7 @@ import sys
 from pipeline.spec import SpecError, load_spec
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "pipeline.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "specapps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
@@ -54,20 +54,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the steps and keys, or with --dry-run the trtllm shell script for a GPU host."""
-    from pipeline import plan as planning
+    from specbuild import plan as planning
     from pipeline.checkpoints import inspect_spec
 
     spec = spec_from_args(args)
     inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
     if args.dry_run:
-        from pipeline.trtllm import render_script
+        from specbuild.toolchains.trtllm import render_script
 
         sys.stdout.write(render_script(planning.make_plan(spec, "trtllm")))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
     if notice:
         print(notice)
-    from pipeline.execute import describe_plan
+    from specbuild.execute import describe_plan
 
     print(describe_plan(planning.make_plan(spec, toolchain)))
     return 0
@@ -75,14 +75,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_engines(args: argparse.Namespace) -> int:
     """Build (or reuse from the cache) every engine of the spec."""
-    from pipeline.execute import run_engines
+    from specbuild.execute import run_engines
 
     return run_engines(spec_from_args(args), toolchain=args.toolchain)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     """Extract SmolLM2-135M-Instruct and derive the example draft and heads under models/."""
-    from pipeline.models import make_models
+    from specfixtures.models import make_models
 
     make_models(args.out)
     return 0

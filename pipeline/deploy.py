@@ -70,7 +70,7 @@ class Checkpoint:
 
     role: str
     cluster: str  # /models/<build-key>/<role>
-    digest: str  # pipeline.plan.folder_digest, as hashed into the build key
+    digest: str  # specbuild.plan.folder_digest, as hashed into the build key
     files: tuple[str, ...]  # the files that digest covers (what a download fetches)
     image_path: str | None  # the same folder inside the pipeline image, when it lies in this project
     hf_repo: str | None  # a Hugging Face repo id to download it from
@@ -195,7 +195,7 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
-    from pipeline.plan import Plan, checkpoint_files, make_plan
+    from specbuild.plan import Plan, checkpoint_files, make_plan
     from pipeline.repo.assemble import EngineInfo, repo_models
 
     hf_repos = dict(hf_repos or {})
@@ -227,7 +227,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
     script = None
     if toolchain == "trtllm":
-        from pipeline.trtllm import render_script
+        from specbuild.toolchains.trtllm import render_script
 
         script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
@@ -420,7 +420,7 @@ def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
 
 def stage_checkpoints(manifest: Path) -> list[str]:
     """Put every checkpoint of checkpoints.json at its dest (copy from the image, else download), check digests."""
-    from pipeline.plan import DigestCache, folder_digest
+    from specbuild.plan import DigestCache, folder_digest
 
     done = []
     for item in json.loads(Path(manifest).read_text()):
@@ -462,7 +462,7 @@ def build_in_cluster(spec_file: Path, toolchain: str) -> str:
     if ready.exists():
         return f"build key {spec.output.dir.name} is ready; nothing to do"
     if toolchain == "reference":
-        from pipeline.execute import run_engines
+        from specbuild.execute import run_engines
 
         code = run_engines(spec, toolchain="reference")
         if code:

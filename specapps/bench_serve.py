@@ -111,8 +111,8 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
 
 def run_bench(spec, log=print) -> str:
     """Run every measurement (engine and Triton alternating, REPEATS times, medians); returns the markdown section."""
-    from pipeline.demo import DEMO_PROMPTS, chat_prompt
-    from pipeline.execute import run_reference
+    from specapps.demo import DEMO_PROMPTS, chat_prompt
+    from specbuild.execute import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.repo.validate import load_config
     from pipeline.server import TritonServer, free_ports
@@ -120,7 +120,7 @@ def run_bench(spec, log=print) -> str:
     from pipeline.serving.local_client import LocalModelClient
     from pipeline.serving.params import BlsSettings, parse_text_request
     from pipeline.serving.text import load_tokenizer
-    from pipeline.toymodels import local_text
+    from pipeline.corpus import local_text
 
     run_reference(spec)
     repo = assemble(spec, "reference")
@@ -212,7 +212,7 @@ def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None
 
 
 def main(argv=None) -> int:
-    """`python -m pipeline.bench_serve SPEC`."""
+    """`python -m specapps.bench_serve SPEC`."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's models run (pipeline.server.server_env)
     from pipeline.spec import load_spec
 

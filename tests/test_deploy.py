@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline import __version__, deploy, stack
-from pipeline.plan import make_plan
+from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
 
 KUBERNETES_VERSION = "1.32"  # the schema version the manifests are validated against
@@ -87,8 +87,8 @@ CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny target + draft, untrained Medusa heads and EAGLE weights for that target."""
-    from pipeline.models import make_random_eagle, make_random_medusa
-    from pipeline.toymodels import make_derived_pair
+    from specfixtures.models import make_random_eagle, make_random_medusa
+    from specfixtures.toymodels import make_derived_pair
 
     root = tmp_path_factory.mktemp("ckpt")
     target, draft = make_derived_pair(root / "pair", eps=0.15)
@@ -513,7 +513,7 @@ def test_values_agree_with_the_spec(rendered, case):
 @needs_kubectl
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gpu-")])
 def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, case):
-    from pipeline.trtllm import parse_script
+    from specbuild.toolchains.trtllm import parse_script
 
     d, objects = rendered[case]
     script = files_of(objects)["trtllm.sh"]

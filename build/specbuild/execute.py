@@ -6,7 +6,7 @@ next to `step.json` (what it was built from, how long it took, how big it is). A
 failure never leaves a half-written entry. `<out>/engines/<role>` are symlinks into the cache and
 `<out>/manifest.json` lists every engine with its key, inputs, toolchain versions, size and build time.
 
-reference: the steps run here on CPU (pipeline/reference/convert.py; torch is imported only when a
+reference: the steps run here on CPU (build/specbuild/convert.py; torch is imported only when a
 step has to run). trtllm: the plan becomes `<out>/trtllm/build_engines.sh`, run here when
 TensorRT-LLM and a GPU are present, otherwise handed to a GPU host.
 """
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from pipeline.checkpoints import inspect_spec
-from pipeline.plan import Plan, Step, make_plan, resolve_toolchain
+from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
 from pipeline.spec import Spec, SpecError, to_dict
 
 STEP_FILE = "step.json"
@@ -69,7 +69,7 @@ def _pid_alive(pid: int) -> bool:
 
 def run_reference_step(plan: Plan, step: Step) -> None:
     """Run one step of the reference toolchain into a temporary folder and rename it into the cache."""
-    from pipeline.reference.convert import build_engine, convert_checkpoint
+    from specbuild.convert import build_engine, convert_checkpoint
 
     spec, cache_dir = plan.spec, plan.spec.output.cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +201,7 @@ def run_reference(spec: Spec) -> Plan:
 
 def run_trtllm(spec: Spec) -> int:
     """Write the GPU script; run it here only when TensorRT-LLM and a GPU are present."""
-    from pipeline.trtllm import render_script
+    from specbuild.toolchains.trtllm import render_script
 
     inspect_spec(spec)
     plan = make_plan(spec, "trtllm")

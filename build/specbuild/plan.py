@@ -26,7 +26,7 @@ from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
-# Bump when pipeline/reference/convert.py changes the numbers it writes (e.g. a calibration change):
+# Bump when build/specbuild/convert.py changes the numbers it writes (e.g. a calibration change):
 # every reference step key changes, so stale engines are rebuilt rather than reused.
 REFERENCE_CONVERTER_VERSION = "3"
 

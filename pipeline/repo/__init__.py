@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
 def run_repo(args: argparse.Namespace) -> int:
     """`python -m pipeline repo SPEC`: write <out_dir>/model_repo (and the trtllm repository + launch script)."""
     from pipeline.cli import spec_from_args
-    from pipeline.plan import resolve_toolchain
+    from specbuild.plan import resolve_toolchain
     from pipeline.repo.assemble import assemble
     from pipeline.repo.launch import write_launch_script
 

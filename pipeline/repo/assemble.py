@@ -53,7 +53,7 @@ class EngineInfo:
     def planned(cls, spec: Spec, role: str, path: Path) -> "EngineInfo":
         """The engine the trtllm build script will produce (it is built on the GPU host, not here)."""
         from pipeline.checkpoints import read_checkpoint
-        from pipeline.plan import build_params
+        from specbuild.plan import build_params
 
         bp = build_params(spec, role)
         model = spec.models.target if role == "target" else spec.models.draft

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import pipeline
 from pipeline import stack
-from pipeline.plan import Plan, Step
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
+from specbuild.plan import Plan, Step
 
-CONTRACT = Path(__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
+CONTRACT = Path(pipeline.__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
 # Script paths under $TRTLLM_EXAMPLES (TensorRT-LLM 1.2.1 layout), by contract tool name.
 SCRIPTS = {
     "convert_checkpoint_llama": "models/core/llama/convert_checkpoint.py",
