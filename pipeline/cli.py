@@ -3,8 +3,8 @@
 A user error (bad spec, incompatible checkpoints, models that cannot fit) prints one line
 `error: <field path>: <problem>; fix: <fix>` and exits 2, without a traceback.
 
-Other modules add a subcommand by exposing `add_parser(subparsers)` (calling `add_spec_arguments`
-on their parser and `set_defaults(func=handler)`, handler(args) -> exit code) and listing their
+Other modules add a subcommand by exposing `add_parser(subparsers)` (calling
+pipeline.cliargs.add_spec_arguments on their parser and `set_defaults(func=handler)`, handler(args) -> exit code) and listing their
 module in SUBCOMMAND_MODULES. They import heavy packages (torch) inside the handler, so
 `validate`, `inspect` and `plan` stay fast on a machine without an ML stack.
 """
@@ -15,25 +15,15 @@ import argparse
 import importlib
 import sys
 
-from pipeline.spec import SpecError, load_spec
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.spec import SpecError
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "specapps.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
 
-
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """The SPEC positional and repeatable `--set key.path=value` overrides."""
-    parser.add_argument("spec", help="the spec YAML file, e.g. examples/default.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set models.draft.qformat=int4_wo (repeatable)")
-
-
-def spec_from_args(args: argparse.Namespace, check_paths: bool = True):
-    """Load the spec named by parsed arguments, with its overrides."""
-    return load_spec(args.spec, args.overrides, check_paths=check_paths)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from pipeline import __version__, stack
+from pipeline.cliargs import add_spec_arguments
+from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +44,11 @@ FILES_MOUNT = PurePosixPath("/etc/specdeploy")
 READY = "READY"
 # Triton's own shutdown wait for in-flight requests; the pod's 120 s grace covers preStop (15 s) + this.
 EXIT_TIMEOUT_S = 90
-TARGET_MODEL = "tensorrt_llm"  # the model whose queue the autoscaler watches
-DRAFT_MODEL = "tensorrt_llm_draft"
 KV_FRACTION_PARAM = "kv_cache_free_gpu_mem_fraction"  # engine models' config.pbtxt parameter
 # Recording rules (PrometheusRule) and the HPA's Pods metric served by the Prometheus adapter.
 QUEUE_RATIO_RECORD = "triton:queue_compute:ratio"
 ACCEPTANCE_RECORD = "specdecode:acceptance_rate:rate5m"
 HPA_METRIC = "triton_queue_compute_ratio"
-# Counters the tensorrt_llm_bls model exports on Triton's metrics port.
-DRAFT_TOKENS_METRIC = "spec_decode_draft_tokens_total"
-ACCEPTED_TOKENS_METRIC = "spec_decode_accepted_tokens_total"
 # The example spec each overlay of deploy/overlays/ is rendered from by `make deploy-render`.
 EXAMPLE_SPECS = {"cpu-reference": "examples/default.yaml", "gpu-draft-target": "examples/draft-target.yaml",
                  "gpu-medusa": "examples/medusa.yaml", "gpu-eagle": "examples/eagle.yaml"}
@@ -311,6 +308,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
     """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
     namespace = f'namespace="{d.namespace}"' if d.namespace else ""
     pods = ", ".join(filter(None, [namespace, 'pod=~"specdeploy-triton-.*"']))
+    # the autoscaler watches the target's queue
     queue = f'rate(nv_inference_queue_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     compute = f'rate(nv_inference_compute_infer_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     accepted = f"rate({ACCEPTED_TOKENS_METRIC}{{{pods}}}[5m])"
@@ -488,8 +486,6 @@ def parse_hf_repos(items: list[str]) -> dict[str, str]:
 
 def add_parser(subparsers) -> None:
     """Register `deploy SPEC --overlay DIR`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("deploy", help="write the spec-derived kustomize component of a deploy/ overlay")
     add_spec_arguments(p)
     p.add_argument("--overlay", type=Path, required=True, help="e.g. deploy/overlays/cpu-reference")

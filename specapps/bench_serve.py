@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
+
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
 PLAIN_TOKENS = 64
 SPEC_TOKENS = 96
@@ -56,7 +58,7 @@ def engine_busy_seconds(metrics_url: str) -> float:
 
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         return sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                   if line.startswith("reference_engine_step_seconds_total{"))
+                   if line.startswith(ENGINE_STEP_SECONDS_METRIC + "{"))
 
 
 def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[float, int]:
@@ -97,7 +99,7 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
     from clients.client import AsyncTritonClient, GenerateRequest
 
     async def run() -> tuple[float, int]:
-        async with AsyncTritonClient(grpc_url, protocol="grpc", model="tensorrt_llm_bls", timeout_s=600) as client:
+        async with AsyncTritonClient(grpc_url, protocol="grpc", model=BLS_MODEL, timeout_s=600) as client:
             start, tokens = time.perf_counter(), 0
             for i in range(0, len(texts), concurrency):
                 batch = [GenerateRequest(prompt=text, max_tokens=max_tokens, num_draft_tokens=k, request_id=f"{i}-{j}")

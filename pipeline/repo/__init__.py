@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+
 
 def add_parser(subparsers) -> None:
     """Register `repo SPEC`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("repo", help="assemble and validate the Triton model repository")
     add_spec_arguments(p)
     p.add_argument("--toolchain", choices=["trtllm", "reference"], help="assemble for this toolchain instead of the spec's")
@@ -19,10 +19,9 @@ def add_parser(subparsers) -> None:
 
 def run_repo(args: argparse.Namespace) -> int:
     """`python -m pipeline repo SPEC`: write <out_dir>/model_repo (and the trtllm repository + launch script)."""
-    from pipeline.cli import spec_from_args
-    from specbuild.plan import resolve_toolchain
     from pipeline.repo.assemble import assemble
     from pipeline.repo.launch import write_launch_script
+    from specbuild.plan import resolve_toolchain
 
     spec = spec_from_args(args)
     toolchain = args.toolchain or resolve_toolchain(spec)[0]
