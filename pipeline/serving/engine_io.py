@@ -19,7 +19,8 @@ from typing import Callable
 
 from pipeline.reference.engine import LLMEngine, Request, RequestOutput
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
-from pipeline.serving.params import ENGINE_SAMPLING_NAMES, RequestError, TextRequest, read_sampling, scalar
+from pipeline.serving.errors import RequestError
+from pipeline.serving.params import ENGINE_SAMPLING_NAMES, TextRequest, read_sampling, scalar
 from pipeline.serving.text import from_word_list_format, to_word_list_format
 
 # Inputs of the tensorrtllm backend the reference engine does not implement: sending one is an error.

@@ -10,15 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.serving.errors import RequestError
 from pipeline.serving.text import decode_bytes_list, default_end_id, default_pad_id, words_to_ids
-
-
-class RequestError(ValueError):
-    """A bad request field; the message names the field and the fix."""
-
-    def __init__(self, field_name: str, problem: str, fix: str):
-        self.field, self.problem, self.fix = field_name, problem, fix
-        super().__init__(f"{field_name}: {problem}; fix: {fix}")
 
 
 def scalar(inputs: dict[str, np.ndarray], name: str, default=None):
