@@ -41,7 +41,7 @@ class NoMetrics:
 def timed_runner(engine_dir: Path, busy: list[float]):
     """An EngineRunner over the engine as Triton serves it, adding its step() seconds to busy[0]."""
     from pipeline.reference.runner import EngineRunner
-    from pipeline.serving.engine_io import load_serving_engine
+    from pipeline.serving.reference_adapter import load_serving_engine
 
     engine = load_serving_engine(engine_dir)
 

@@ -48,3 +48,34 @@ def test_build_dir_does_not_shadow_pypa_build(tmp_path):
     """ % str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_trtllm_repository_python_models_import_no_torch():
+    """The python models of the trtllm repository (pre/postprocessing, the BLS) drive TensorRT-LLM's engines:
+    importing them, with all the serving modules they use, must not import torch or the reference engine.
+    triton_python_backend_utils exists only inside Triton: an empty stand-in module lets them import here."""
+    out = run_python("""
+        import importlib.util, sys, types
+        sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+        for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+            spec = importlib.util.spec_from_file_location(f"{name}_model", f"model_repo/{name}/1/model.py")
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        import pipeline.serving.bls, pipeline.serving.bls_calls, pipeline.serving.engine_io, pipeline.serving.params
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith("pipeline.reference"))
+        print("loaded:", loaded)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "loaded: []"
+
+
+def test_reference_engine_model_does_load_torch():
+    """The counterpart: the reference tensorrt_llm model does import torch (so the check above can fail)."""
+    out = run_python("""
+        import importlib.util, sys, types
+        sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+        spec = importlib.util.spec_from_file_location("engine_model", "model_repo/tensorrt_llm/1/model.py")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        print("torch" in sys.modules)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.engine_io import ResponseBuilder, engine_request, load_serving_engine
+from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine
 from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.errors import RequestError
 
