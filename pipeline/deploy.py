@@ -30,6 +30,7 @@ import yaml
 
 from pipeline import __version__, stack
 from pipeline.cliargs import add_spec_arguments
+from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
 
@@ -146,7 +147,7 @@ def acceptance_floor(spec: Spec) -> float:
     without a draft model (n-gram, Medusa, EAGLE heads) use that alone.
     """
     floor = spec.speculative.min_acceptance_rate
-    if spec.speculative.mode != "draft_target":
+    if not traits(spec.speculative.mode).has_draft_engine:
         return floor
     from pipeline.checkpoints import inspect_spec
 
@@ -219,7 +220,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
     target = EngineInfo.planned(spec, "target", Path("target"))
-    draft = EngineInfo.planned(spec, "draft", Path("draft")) if spec.speculative.mode == "draft_target" else None
+    draft = EngineInfo.planned(spec, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
     models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
     kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
     script = None
@@ -321,7 +322,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
     ]
     threshold = d.acceptance_floor
     alerts = []
-    if d.spec.speculative.mode != "none":
+    if traits(d.spec.speculative.mode).speculates:
         alerts.append({
             "alert": "SpeculativeAcceptanceCollapsed",
             "expr": f"{ACCEPTANCE_RECORD}{{{namespace}}} < {threshold}" if namespace else f"{ACCEPTANCE_RECORD} < {threshold}",

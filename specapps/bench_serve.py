@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.modes import traits
 from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
 
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
@@ -141,7 +142,7 @@ def run_bench(spec, log=print) -> str:
 
     busy = [0.0]
     runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
-    if spec.speculative.mode == "draft_target":
+    if traits(spec.speculative.mode).has_draft_engine:
         runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
     decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log, log_info=lambda m: None)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]

@@ -14,6 +14,7 @@ import time
 
 from clients.client import Completion, GenerateRequest, TritonClient
 from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.modes import traits
 from pipeline.names import BLS_MODEL
 from pipeline.spec import SpecError
 
@@ -114,7 +115,7 @@ def add_parser(subparsers) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """`python -m pipeline demo SPEC`."""
     spec = spec_from_args(args)
-    if spec.speculative.mode not in ("ngram", "draft_target"):
+    if not traits(spec.speculative.mode).bls_drafts:
         raise SpecError("speculative.mode", f"the demo compares BLS speculation, not {spec.speculative.mode!r}",
                         "use examples/default.yaml (ngram) or examples/draft-target.yaml")
     run_demo(spec)

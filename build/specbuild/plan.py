@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
+from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
@@ -176,10 +177,11 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
         params["group_size"] = model.group_size
     if model.qformat in CALIBRATED_QFORMATS or model.kv_cache_dtype != "none":
         params["calib_size"] = model.calib_size
-    if role == "target" and s.mode == "medusa":
+    heads_field = traits(s.mode).heads_field if role == "target" else None
+    if heads_field == "medusa":
         heads, _warnings = check_medusa(spec, info)
         params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
-    if role == "target" and s.mode == "eagle":
+    if heads_field == "eagle":
         net, _warnings = check_eagle(spec, info)
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
                            "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
@@ -190,14 +192,10 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
 def build_params(spec: Spec, role: str) -> dict:
     """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
     s, e = spec.speculative, spec.engine
-    if role == "draft":
-        mode, draft_len = None, 0  # the draft is a plain engine; the BLS asks it for K tokens
-    elif s.mode in ("draft_target", "ngram"):
-        mode, draft_len = "draft_tokens_external", s.max_draft_len  # tokens come from outside the engine
-    elif s.mode in ("medusa", "eagle"):
-        mode, draft_len = s.mode, s.max_draft_len
-    else:
-        mode, draft_len = None, 0
+    # the draft is a plain engine (the BLS asks it for K tokens); draft_tokens_external: tokens come from
+    # outside the target engine; medusa / eagle: the target engine drafts with its heads
+    mode = None if role == "draft" else traits(s.mode).engine_decoding_mode
+    draft_len = 0 if mode is None else s.max_draft_len
     return {
         "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
         "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
@@ -210,7 +208,7 @@ def build_params(spec: Spec, role: str) -> dict:
 def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
     """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
     roles = [("target", spec.models.target)]
-    if spec.speculative.mode == "draft_target":
+    if traits(spec.speculative.mode).has_draft_engine:
         roles.append(("draft", spec.models.draft))
     return roles
 

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
@@ -91,12 +92,12 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
         "exclude_input_in_output": "true",
         "batch_scheduler_policy": "guaranteed_no_evict",
     }
-    if name == "tensorrt_llm" and s.mode == "medusa":
-        params.update(decoding_mode="medusa", medusa_choices=_choices_brace(s.medusa.choices))
-    if name == "tensorrt_llm" and s.mode == "eagle":
-        params.update(decoding_mode="eagle", eagle_choices=_choices_brace(s.eagle.choices))
-        if toolchain == "reference" and s.eagle.version == 2:  # the reference engine grows EAGLE-2's dynamic tree
-            params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)
+    heads_field = traits(s.mode).heads_field
+    if name == "tensorrt_llm" and heads_field is not None:  # the engine speculates itself on its heads' tree
+        params.update({"decoding_mode": traits(s.mode).engine_decoding_mode,
+                       f"{heads_field}_choices": _choices_brace(getattr(s, heads_field).choices)})
+        if heads_field == "eagle" and toolchain == "reference" and s.eagle.version == 2:
+            params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
     if toolchain == "trtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
@@ -148,7 +149,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "min_acceptance_rate": str(s.min_acceptance_rate),
     }
-    if s.mode == "ngram":
+    if traits(s.mode).bls_lookup:
         params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
     iface = interface("tensorrt_llm_bls")
     return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
@@ -173,7 +174,7 @@ def ensemble_model(spec: Spec) -> ModelConfigSpec:
 
 def engine_infos(spec: Spec, toolchain: str) -> tuple[EngineInfo, EngineInfo | None]:
     """Target and draft engine facts: read from built engines (reference) or from the plan (trtllm)."""
-    has_draft = spec.speculative.mode == "draft_target"
+    has_draft = traits(spec.speculative.mode).has_draft_engine
     if toolchain == "trtllm":
         engines = spec.out_dir / "trtllm" / "engines"  # where the generated build script links them
         target = EngineInfo.planned(spec, "target", engines / "target")

@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import numpy as np
 
+from pipeline.modes import traits
 from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
 from pipeline.serving.errors import RequestError
 from pipeline.serving.params import BlsSettings, TextRequest
@@ -106,7 +107,7 @@ class SpeculativeDecoder:
         self.log_warning = log_warning
         self.log_info = log_info
         # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
-        self.ngram = (settings.ngram_min, settings.ngram_max) if settings.speculative_mode == "ngram" else None
+        self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
 
     def check_limits(self, req: TextRequest) -> None:
         """Speculative requests re-send the whole sequence each round: it must fit the target's input limit."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline import stack
+from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
 from specbuild.plan import Plan, Step
 
@@ -246,7 +247,7 @@ def render_script(plan: Plan) -> str:
         "ENGINES_DIR": str(spec.out_dir / "trtllm" / "engines"),
         "TARGET_MODEL_DIR": str(spec.models.target.checkpoint),
     }
-    if plan.spec.speculative.mode == "draft_target":
+    if traits(plan.spec.speculative.mode).has_draft_engine:
         variables["DRAFT_MODEL_DIR"] = str(spec.models.draft.checkpoint)
     if spec.speculative.medusa is not None:
         variables["MEDUSA_DIR"] = str(spec.speculative.medusa.checkpoint)
