@@ -17,6 +17,7 @@ import sys
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
 from pipeline.spec import SpecError
+from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
 SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
@@ -50,9 +51,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
     if args.dry_run:
-        from specbuild.toolchains.trtllm import render_script
+        from specbuild.toolchains import toolchain_module
 
-        sys.stdout.write(render_script(planning.make_plan(spec, "trtllm")))
+        sys.stdout.write(toolchain_module(GPU_TOOLCHAIN).build_script(planning.make_plan(spec, GPU_TOOLCHAIN)))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
     if notice:
@@ -94,12 +95,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the build steps and their cache keys")
     add_spec_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the trtllm shell script a GPU host runs as is")
-    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="plan for this toolchain instead of the spec's")
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), help="plan for this toolchain instead of the spec's")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("engines", help="build the engines (cached)")
     add_spec_arguments(p)
-    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="use this toolchain instead of the spec's")
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), help="use this toolchain instead of the spec's")
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("models", help="extract SmolLM2 and make the example draft/heads under models/")

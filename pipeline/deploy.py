@@ -33,6 +33,7 @@ from pipeline.cliargs import add_spec_arguments
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GENERATED = "generated"  # the component folder inside an overlay
@@ -156,10 +157,10 @@ def acceptance_floor(spec: Spec) -> float:
 
 
 def overlay_toolchain(overlay: Path) -> str:
-    """trtllm when the overlay uses the GPU component, else reference."""
+    """The GPU toolchain (trtllm) when the overlay uses the GPU component, else the CPU one (reference)."""
     kustomization = read_kustomization(overlay)
     uses_gpu = any(str(c).rstrip("/").endswith(GPU_COMPONENT) for c in kustomization.get("components") or [])
-    return "trtllm" if uses_gpu else "reference"
+    return GPU_TOOLCHAIN if uses_gpu else CPU_TOOLCHAIN
 
 
 def read_kustomization(overlay: Path) -> dict:
@@ -193,8 +194,9 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
-    from specbuild.plan import Plan, checkpoint_files, make_plan
     from pipeline.repo.assemble import EngineInfo, repo_models
+    from specbuild.plan import Plan, checkpoint_files, make_plan
+    from specbuild.toolchains import toolchain_module
 
     hf_repos = dict(hf_repos or {})
     if spec.toolchain not in ("auto", toolchain):
@@ -223,11 +225,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     draft = EngineInfo.planned(spec, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
     models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
     kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
-    script = None
-    if toolchain == "trtllm":
-        from specbuild.toolchains.trtllm import render_script
-
-        script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
+    script = toolchain_module(toolchain).build_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
                       kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(spec),
@@ -239,7 +237,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
 
 def server_command(d: DeployPlan) -> list[str]:
     """The Triton container's command: `pipeline serve` (reference) or tritonserver (trtllm)."""
-    if d.toolchain == "reference":
+    if not toolchain_traits(d.toolchain).gpu:
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
     s = d.spec.serving
     # What TensorRT-LLM's launch_triton_server.py --multi-model --world_size=1 runs (one tritonserver
@@ -271,7 +269,7 @@ def deployment_patch(d: DeployPlan) -> dict:
                   {"name": "grpc", "containerPort": s.grpc_port}, {"name": "metrics", "containerPort": s.metrics_port}],
     }
     pod: dict = {"containers": [container]}
-    if d.toolchain == "trtllm":
+    if toolchain_traits(d.toolchain).gpu:
         container["resources"] = _gpu_resources(d.gpu_count)
         # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
         container["env"] = [{"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)}]
@@ -297,7 +295,7 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
     stage-checkpoints. trtllm-build is the second init container (the GPU component appends it).
     """
     ops = [{"op": "replace", "path": "/metadata/name", "value": f"specdeploy-engine-build-{d.build_key}"}]
-    if d.toolchain == "trtllm":
+    if toolchain_traits(d.toolchain).gpu:
         gpus = "/spec/template/spec/initContainers/1/resources/{}/nvidia.com~1gpu"
         ops += [{"op": "add", "path": gpus.format("limits"), "value": d.gpu_count},
                 {"op": "add", "path": gpus.format("requests"), "value": d.gpu_count},
@@ -380,7 +378,7 @@ def render_component(d: DeployPlan) -> dict[str, str]:
         "prometheusrule.yaml": header + yaml.safe_dump(prometheus_rule(d), sort_keys=False),
         "engine-build-job.yaml": header + yaml.safe_dump(build_job_patch(d), sort_keys=False),
     }
-    if d.toolchain == "trtllm":
+    if d.trtllm_script is not None:
         out["trtllm.sh"] = trtllm_job_script(d)
     return out
 
@@ -460,10 +458,10 @@ def build_in_cluster(spec_file: Path, toolchain: str) -> str:
     ready = spec.output.dir / READY  # output.dir is /engines/<build-key>
     if ready.exists():
         return f"build key {spec.output.dir.name} is ready; nothing to do"
-    if toolchain == "reference":
+    if toolchain_traits(toolchain).engines_built_here:
         from specbuild.execute import run_engines
 
-        code = run_engines(spec, toolchain="reference")
+        code = run_engines(spec, toolchain=toolchain)
         if code:
             raise DeployError("engines", f"the reference engine build failed (exit code {code})", "read the Job's log above")
     repo = assemble(spec, toolchain)
@@ -506,7 +504,7 @@ def run_deploy(args: argparse.Namespace) -> int:
 
 def describe(d: DeployPlan, overlay: Path) -> str:
     """One line: what was written where."""
-    where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
+    where = f"{d.gpu_count} GPU(s) per pod" if toolchain_traits(d.toolchain).gpu else "CPU"
     return f"wrote {overlay / GENERATED} (spec {d.spec.name}, build key {d.build_key}, toolchain {d.toolchain}, {where})"
 
 
@@ -521,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("manifest", type=Path)
     p = sub.add_parser("build", help="build engines and the model repository, then write READY")
     p.add_argument("spec", type=Path)
-    p.add_argument("--toolchain", choices=["reference", "trtllm"], required=True)
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), required=True)
     args = parser.parse_args(argv)
     try:
         if args.step == "examples":

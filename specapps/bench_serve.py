@@ -115,7 +115,7 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
 def run_bench(spec, log=print) -> str:
     """Run every measurement (engine and Triton alternating, REPEATS times, medians); returns the markdown section."""
     from specapps.demo import DEMO_PROMPTS, chat_prompt
-    from specbuild.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.repo.validate import load_config
     from pipeline.server import TritonServer, free_ports

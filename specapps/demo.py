@@ -61,7 +61,7 @@ def describe(run: Completion) -> str:
 
 def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
     """Build what is missing, serve, stream the demo prompts plain and speculative; returns the run pairs."""
-    from specbuild.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.server import TritonServer, free_ports, port_is_free
     from pipeline.serving.text import load_tokenizer

@@ -23,7 +23,7 @@ CHOICES = [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
 @pytest.fixture(scope="module")
 def medusa_server(tmp_path_factory, derived_pair):
     """ONE server on a tiny target with random Medusa heads (repository assembled by the real pipeline)."""
-    from specbuild.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.spec import load_spec
 
     folder = tmp_path_factory.mktemp("medusa-spec")

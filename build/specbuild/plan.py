@@ -23,13 +23,11 @@ from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
-# Bump when build/specbuild/convert.py changes the numbers it writes (e.g. a calibration change):
-# every reference step key changes, so stale engines are rebuilt rather than reused.
-REFERENCE_CONVERTER_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -77,16 +75,10 @@ class Plan:
 
 
 def toolchain_versions(toolchain: str) -> dict:
-    """The versions a step's output depends on, per toolchain."""
-    if toolchain == "trtllm":
-        return {"tensorrt_llm": stack.TRTLLM_VERSION, "tensorrt": stack.TENSORRT_VERSION,
-                "triton_container": stack.TRITON_CONTAINER_TAG}
-    try:
-        torch_version = importlib.metadata.version("torch")  # metadata only: torch is not imported
-    except importlib.metadata.PackageNotFoundError:
-        torch_version = None
-    return {"reference_format": stack.REFERENCE_FORMAT_VERSION, "reference_converter": REFERENCE_CONVERTER_VERSION,
-            "torch": torch_version}
+    """The versions a step's output depends on, per toolchain (its module's versions())."""
+    from specbuild.toolchains import toolchain_module
+
+    return toolchain_module(toolchain).versions()
 
 
 def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:
@@ -96,9 +88,10 @@ def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:
     has_trtllm = importlib.util.find_spec("tensorrt_llm") is not None
     has_gpu = shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
     if has_trtllm and has_gpu:
-        return "trtllm", None
+        return GPU_TOOLCHAIN, None
     missing = "tensorrt_llm is not installed" if not has_trtllm else "no NVIDIA GPU is visible"
-    return "reference", f"notice: toolchain auto -> reference ({missing}); set toolchain: trtllm on a GPU host"
+    return CPU_TOOLCHAIN, (f"notice: toolchain auto -> {CPU_TOOLCHAIN} ({missing}); "
+                           f"set toolchain: {GPU_TOOLCHAIN} on a GPU host")
 
 
 # ----------------------------------------------------------------------------- digests
@@ -242,6 +235,6 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     return plan
 
 
-def build_key(spec: Spec, toolchain: str = "trtllm") -> str:
+def build_key(spec: Spec, toolchain: str = GPU_TOOLCHAIN) -> str:
     """A stable hash naming the complete engine set of `spec` (default: the GPU engines a cluster builds)."""
     return make_plan(spec, toolchain).build_key
