@@ -46,7 +46,7 @@ class EngineInputError(ValueError):
 
 @dataclass
 class Request:
-    """One generation request (see brief §2 / the tensorrtllm backend's inputs)."""
+    """One generation request (the tensorrtllm backend's inputs: pipeline/contracts/triton-trtllm-backend-models.json)."""
 
     request_id: str
     prompt_ids: list[int]

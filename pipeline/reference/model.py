@@ -31,7 +31,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> dict:
-    """The engine's `pretrained_config` dict (docs: brief §1 / TensorRT-LLM layout) from an HF config.json dict."""
+    """The engine's `pretrained_config` dict (docs/engine-format.md, TensorRT-LLM's layout) from an HF config.json dict."""
     arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; use one of {', '.join(SUPPORTED_ARCHITECTURES)}")
