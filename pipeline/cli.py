@@ -46,10 +46,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the steps and keys, or with --dry-run the trtllm shell script for a GPU host."""
     from specbuild import plan as planning
-    from pipeline.checkpoints import inspect_spec
 
-    spec = spec_from_args(args)
-    inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
+    spec = spec_from_args(args)  # make_plan inspects: incompatible checkpoints fail before any script is written
     if args.dry_run:
         from specbuild.toolchains import toolchain_module
 

@@ -19,6 +19,7 @@ the spec's output dir, READY marker), /engines/cache (content-addressed steps sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -34,6 +35,8 @@ from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
+from specbuild.plan import DigestCache, Plan, checkpoint_files, folder_digest, make_plan
+from specbuild.toolchains import toolchain_module
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GENERATED = "generated"  # the component folder inside an overlay
@@ -138,7 +141,7 @@ class DeployPlan:
 # ----------------------------------------------------------------------------- planning
 
 
-def acceptance_floor(spec: Spec) -> float:
+def acceptance_floor(plan: Plan) -> float:
     """The acceptance rate r (accepted / drafted tokens) below which speculation costs more than it saves.
 
     Decoding is memory-bound: a draft step costs c = draft weight bytes / target weight bytes of a
@@ -147,12 +150,11 @@ def acceptance_floor(spec: Spec) -> float:
     plain decoding only while r > c. Never below the spec's speculative.min_acceptance_rate; modes
     without a draft model (n-gram, Medusa, EAGLE heads) use that alone.
     """
+    spec = plan.spec
     floor = spec.speculative.min_acceptance_rate
     if not traits(spec.speculative.mode).has_draft_engine:
         return floor
-    from pipeline.checkpoints import inspect_spec
-
-    weights = {e.role: e.weight_bytes for e in inspect_spec(spec).memory.engines}
+    weights = {e.role: e.weight_bytes for e in plan.inspection.memory.engines}
     return round(max(floor, weights["draft"] / weights["target"]), 3)
 
 
@@ -195,8 +197,6 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
     from pipeline.repo.assemble import EngineInfo, repo_models
-    from specbuild.plan import Plan, checkpoint_files, make_plan
-    from specbuild.toolchains import toolchain_module
 
     hf_repos = dict(hf_repos or {})
     if spec.toolchain not in ("auto", toolchain):
@@ -221,14 +221,14 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                                       image_path=image_path(local), hf_repo=hf_repos.get(role)))
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
-    target = EngineInfo.planned(spec, "target", Path("target"))
-    draft = EngineInfo.planned(spec, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
-    models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
+    target = EngineInfo.planned(plan, "target", Path("target"))
+    draft = EngineInfo.planned(plan, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
+    models = repo_models(plan, target, draft)  # the repository the build Job will assemble
     kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
-    script = toolchain_module(toolchain).build_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
+    script = toolchain_module(toolchain).build_script(dataclasses.replace(plan, spec=cluster_spec))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
-                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(spec),
+                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(plan),
                       namespace=namespace, trtllm_script=script)
 
 
@@ -417,8 +417,6 @@ def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
 
 def stage_checkpoints(manifest: Path) -> list[str]:
     """Put every checkpoint of checkpoints.json at its dest (copy from the image, else download), check digests."""
-    from specbuild.plan import DigestCache, folder_digest
-
     done = []
     for item in json.loads(Path(manifest).read_text()):
         dest = Path(item["dest"])
@@ -458,13 +456,12 @@ def build_in_cluster(spec_file: Path, toolchain: str) -> str:
     ready = spec.output.dir / READY  # output.dir is /engines/<build-key>
     if ready.exists():
         return f"build key {spec.output.dir.name} is ready; nothing to do"
+    plan = make_plan(spec, toolchain)
     if toolchain_traits(toolchain).engines_built_here:
-        from specbuild.execute import run_engines
-
-        code = run_engines(spec, toolchain=toolchain)
+        code = toolchain_module(toolchain).build(plan)
         if code:
-            raise DeployError("engines", f"the reference engine build failed (exit code {code})", "read the Job's log above")
-    repo = assemble(spec, toolchain)
+            raise DeployError("engines", f"the {toolchain} engine build failed (exit code {code})", "read the Job's log above")
+    repo = assemble(plan)
     ready.write_text(json.dumps({"spec": spec.name, "toolchain": toolchain, "model_repo": str(repo)}) + "\n")
     return f"engines and model repository ready: {repo}"
 

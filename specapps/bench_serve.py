@@ -125,8 +125,7 @@ def run_bench(spec, log=print) -> str:
     from pipeline.serving.text import load_tokenizer
     from pipeline.corpus import local_text
 
-    run_reference(spec)
-    repo = assemble(spec, "reference")
+    repo = assemble(run_reference(spec))
     tokenizer = load_tokenizer(str(spec.models.target.checkpoint))
     k = spec.speculative.num_draft_tokens
     words = local_text(20_000).split()

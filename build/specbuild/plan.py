@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import stack
-from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
+from pipeline.checkpoints import Report, inspect_spec
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
@@ -54,6 +54,7 @@ class Plan:
 
     spec: Spec
     toolchain: str
+    inspection: Report  # inspect_spec's result: checkpoint facts, head shapes, the memory plan (read once)
     steps: list[Step] = field(default_factory=list)
 
     def engine_step(self, role: str) -> Step:
@@ -157,10 +158,10 @@ def _hash(obj) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
+def convert_params(spec: Spec, role: str, model: ModelSpec, inspection: Report) -> dict:
     """What the convert/quantize step of `role` depends on in the spec (and the heads' shapes)."""
     s, e = spec.speculative, spec.engine
-    info = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
+    info = inspection.models[role]
     params = {
         "architecture": info.architecture,
         "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
@@ -172,10 +173,9 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
         params["calib_size"] = model.calib_size
     heads_field = traits(s.mode).heads_field if role == "target" else None
     if heads_field == "medusa":
-        heads, _warnings = check_medusa(spec, info)
-        params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
+        params["medusa"] = {"max_draft_len": s.max_draft_len, **inspection.heads}
     if heads_field == "eagle":
-        net, _warnings = check_eagle(spec, info)
+        net = inspection.heads
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
                            "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
                            "net": net}
@@ -206,17 +206,22 @@ def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
     return roles
 
 
-def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
-    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed."""
+def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None,
+              inspection: Report | None = None) -> Plan:
+    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed.
+
+    The plan carries the inspection (inspect_spec: incompatible checkpoints and impossible memory plans fail
+    here, before any work); pass `inspection` to plan the same spec for another toolchain without re-reading.
+    """
     toolchain = toolchain or resolve_toolchain(spec)[0]
-    check_pickle_policy(spec)
+    inspection = inspection or inspect_spec(spec)
     own_digests = digests is None
     if own_digests:
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
-    plan = Plan(spec=spec, toolchain=toolchain)
+    plan = Plan(spec=spec, toolchain=toolchain, inspection=inspection)
     for role, model in model_roles(spec):
-        params = convert_params(spec, role, model)
+        params = convert_params(spec, role, model, inspection)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
             inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)

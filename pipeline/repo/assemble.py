@@ -6,7 +6,10 @@ The ensemble is one step into tensorrt_llm_bls, so a text request speculates whe
 num_draft_tokens. The python models (everything but the trtllm engines) are the files of
 model_repo/ in this project, the same code for both toolchains.
 
-    repo = assemble(spec, toolchain="reference")      # -> <out_dir>/model_repo
+    repo = assemble(make_plan(spec, "reference"))      # -> <out_dir>/model_repo
+
+Everything comes from the Plan (its inspection: memory plan, vocabulary; its build steps: the limits of
+engines a GPU host will build) and from built engines' config.json: the checkpoints are not read again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
 from pipeline.toolchains import toolchain_traits
+from specbuild.plan import Plan
 
 MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
 
@@ -52,24 +56,18 @@ class EngineInfo:
                    vocab_size=pre["vocab_size"])
 
     @classmethod
-    def planned(cls, spec: Spec, role: str, path: Path) -> "EngineInfo":
-        """The engine the trtllm build script will produce (it is built on the GPU host, not here)."""
-        from pipeline.checkpoints import read_checkpoint
-        from specbuild.plan import build_params
-
-        bp = build_params(spec, role)
-        model = spec.models.target if role == "target" else spec.models.draft
-        ckpt = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
+    def planned(cls, plan: Plan, role: str, path: Path) -> "EngineInfo":
+        """The engine a GPU host will build from the plan's build step (not built here)."""
+        bp = plan.engine_step(role).params
         return cls(path=path, max_batch_size=bp["max_batch_size"], max_input_len=bp["max_input_len"],
                    max_seq_len=bp["max_seq_len"], max_draft_len=bp["max_draft_len"],
-                   gather_generation_logits=bp["gather_generation_logits"], vocab_size=ckpt.vocab_size)
+                   gather_generation_logits=bp["gather_generation_logits"],
+                   vocab_size=plan.inspection.models[role].vocab_size)
 
 
-def kv_fractions(spec: Spec) -> dict[str, float]:
+def kv_fractions(plan: Plan) -> dict[str, float]:
     """kv_cache_free_gpu_mem_fraction per engine role, from the memory plan (which honours the spec's values)."""
-    from pipeline.checkpoints import inspect_spec
-
-    return {e.role: e.kv_fraction for e in inspect_spec(spec).memory.engines}
+    return {e.role: e.kv_fraction for e in plan.inspection.memory.engines}
 
 
 def _choices_brace(choices) -> str:
@@ -174,24 +172,25 @@ def ensemble_model(spec: Spec) -> ModelConfigSpec:
                            inputs=iface.inputs, outputs=iface.outputs, ensemble_steps=(step,))
 
 
-def engine_infos(spec: Spec, toolchain: str) -> tuple[EngineInfo, EngineInfo | None]:
+def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
     """Target and draft engine facts: read from built engines (reference) or from the plan (trtllm)."""
-    has_draft = traits(spec.speculative.mode).has_draft_engine
-    tc = toolchain_traits(toolchain)
-    engines = spec.out_dir / tc.out_subdir / "engines"
+    has_draft = traits(plan.spec.speculative.mode).has_draft_engine
+    tc = toolchain_traits(plan.toolchain)
+    engines = plan.spec.out_dir / tc.out_subdir / "engines"
     if not tc.engines_built_here:  # the GPU host's build script links them there
-        target = EngineInfo.planned(spec, "target", engines / "target")
-        draft = EngineInfo.planned(spec, "draft", engines / "draft") if has_draft else None
+        target = EngineInfo.planned(plan, "target", engines / "target")
+        draft = EngineInfo.planned(plan, "draft", engines / "draft") if has_draft else None
     else:
         target = EngineInfo.from_engine_dir(engines / "target")
         draft = EngineInfo.from_engine_dir(engines / "draft") if has_draft else None
     return target, draft
 
 
-def repo_models(spec: Spec, toolchain: str, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
+def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
     """Every model config of the repository."""
+    spec, toolchain = plan.spec, plan.toolchain
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
-    kv = kv_fractions(spec)
+    kv = kv_fractions(plan)
     models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
               engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
     if draft is not None:
@@ -221,11 +220,11 @@ def write_repo(models: list[ModelConfigSpec], dest: Path) -> Path:
     return dest
 
 
-def assemble(spec: Spec, toolchain: str) -> Path:
-    """Generate, write and validate the model repository of `spec` for `toolchain`; returns its folder."""
+def assemble(plan: Plan) -> Path:
+    """Generate, write and validate the model repository of the plan's spec and toolchain; returns its folder."""
     from pipeline.repo.validate import validate_repo
 
-    target, draft = engine_infos(spec, toolchain)
-    dest = write_repo(repo_models(spec, toolchain, target, draft), repo_dir(spec, toolchain))
-    validate_repo(dest, spec, target, draft)
+    target, draft = engine_infos(plan)
+    dest = write_repo(repo_models(plan, target, draft), repo_dir(plan.spec, plan.toolchain))
+    validate_repo(dest, plan.spec, target, draft)
     return dest

@@ -26,10 +26,9 @@ from pathlib import Path
 import pipeline
 from pipeline import stack
 from pipeline.modes import traits
-from pipeline.checkpoints import inspect_spec
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
 from specbuild.execute import write_if_changed
-from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
+from specbuild.plan import Plan, Step, resolve_toolchain
 
 CONTRACT = Path(pipeline.__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
 # Script paths under $TRTLLM_EXAMPLES (TensorRT-LLM 1.2.1 layout), by contract tool name.
@@ -336,10 +335,9 @@ def build_script(plan: Plan) -> str:
     return render_script(plan)
 
 
-def build(spec: Spec) -> int:
+def build(plan: Plan) -> int:
     """The `engines` command: write the GPU script; run it here only when TensorRT-LLM and a GPU are present."""
-    inspect_spec(spec)
-    plan = make_plan(spec, "trtllm")
+    spec = plan.spec
     script = spec.out_dir / "trtllm" / "build_engines.sh"
     write_if_changed(script, render_script(plan))
     script.chmod(0o755)
