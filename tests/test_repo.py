@@ -13,6 +13,7 @@ from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_mode
 from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
 from pipeline.repo.launch import launch_command, render_launch_script
 from pipeline.repo.validate import RepoError, load_config, validate_repo
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.spec import load_spec
 from specbuild.plan import make_plan
 from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
@@ -166,3 +167,12 @@ def test_tokenizer_must_be_the_targets(reference_repo, tmp_path):
 def test_engine_info_reads_engine_config(tiny_spec_engines):
     info = EngineInfo.from_engine_dir(tiny_spec_engines.spec.out_dir / "engines" / "target")
     assert (info.max_batch_size, info.max_draft_len, info.vocab_size) == (8, MAX_DRAFT_LEN, 512)
+
+
+def test_planned_limits_are_what_the_build_writes(tiny_spec_engines):
+    """EngineLimits is one type: the limits the repository plans for a GPU host's engine equal those a built
+    engine's config.json holds (read by the repository and the reference engine alike)."""
+    plan = tiny_spec_engines.plan
+    built = EngineInfo.from_engine_dir(plan.spec.out_dir / "engines" / "target")
+    assert EngineInfo.planned(plan, "target", built.path) == built
+    assert built.max_draft_len == MAX_DRAFT_LEN and built.tokens_per_block == TOKENS_PER_BLOCK

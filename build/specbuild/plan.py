@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline import stack
 from pipeline.checkpoints import Report, inspect_spec
+from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
@@ -182,19 +183,31 @@ def convert_params(spec: Spec, role: str, model: ModelSpec, inspection: Report) 
     return params
 
 
-def build_params(spec: Spec, role: str) -> dict:
-    """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
+def decoding_mode(spec: Spec, role: str) -> str | None:
+    """The engine's speculative_decoding_mode: the draft is a plain engine (the BLS asks it for K tokens);
+    draft_tokens_external: tokens come from outside the target engine; medusa / eagle: its heads draft."""
+    return None if role == "draft" else traits(spec.speculative.mode).engine_decoding_mode
+
+
+def engine_limits(spec: Spec, role: str) -> EngineLimits:
+    """The limits the engine of `role` is built with."""
     s, e = spec.speculative, spec.engine
-    # the draft is a plain engine (the BLS asks it for K tokens); draft_tokens_external: tokens come from
-    # outside the target engine; medusa / eagle: the target engine drafts with its heads
-    mode = None if role == "draft" else traits(s.mode).engine_decoding_mode
-    draft_len = 0 if mode is None else s.max_draft_len
+    return EngineLimits(max_batch_size=e.max_batch_size, max_input_len=e.max_input_len, max_seq_len=e.max_seq_len,
+                        max_num_tokens=e.max_num_tokens,
+                        max_draft_len=0 if decoding_mode(spec, role) is None else s.max_draft_len,
+                        # lossless acceptance compares the draft's q with the target's p: both engines return logits
+                        gather_generation_logits=bool(s.use_draft_logits))
+
+
+def build_params(spec: Spec, role: str) -> dict:
+    """What the build step of `role` depends on (hashed into its key): engine limits and speculative flags."""
+    limits = engine_limits(spec, role)
     return {
-        "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
-        "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
-        # lossless acceptance compares the draft's q with the target's p: both engines return logits
-        "gather_generation_logits": bool(s.use_draft_logits),
-        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": 32,
+        "max_batch_size": limits.max_batch_size, "max_input_len": limits.max_input_len,
+        "max_seq_len": limits.max_seq_len, "max_num_tokens": limits.max_num_tokens,
+        "max_draft_len": limits.max_draft_len, "speculative_decoding_mode": decoding_mode(spec, role),
+        "gather_generation_logits": limits.gather_generation_logits,
+        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": limits.tokens_per_block,
     }
 
 

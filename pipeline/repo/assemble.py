@@ -16,30 +16,27 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
 from pipeline.toolchains import toolchain_traits
-from specbuild.plan import Plan
+from specbuild.plan import Plan, engine_limits
 
 MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    """What the repository needs to know about one engine."""
+class EngineInfo(EngineLimits):
+    """What the repository needs to know about one engine: its limits, where it is, its vocabulary."""
 
-    path: Path
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_draft_len: int
-    gather_generation_logits: bool
-    vocab_size: int
+    path: Path = field(kw_only=True)
+    vocab_size: int = field(kw_only=True)
 
     @classmethod
     def from_engine_dir(cls, engine_dir: Path) -> "EngineInfo":
@@ -48,21 +45,14 @@ class EngineInfo:
         if not cfg_path.is_file():
             raise SpecError("engines", f"{cfg_path} does not exist", "run `make engines` (python -m pipeline engines SPEC) first")
         cfg = json.loads(cfg_path.read_text())
-        pre, build = cfg["pretrained_config"], cfg["build_config"]
-        return cls(path=Path(engine_dir).resolve(), max_batch_size=build["max_batch_size"],
-                   max_input_len=build["max_input_len"], max_seq_len=build["max_seq_len"],
-                   max_draft_len=build.get("max_draft_len") or 0,
-                   gather_generation_logits=bool(build.get("gather_generation_logits")),
-                   vocab_size=pre["vocab_size"])
+        return cls(path=Path(engine_dir).resolve(), vocab_size=cfg["pretrained_config"]["vocab_size"],
+                   **EngineLimits.build_config_values(cfg["build_config"]))
 
     @classmethod
     def planned(cls, plan: Plan, role: str, path: Path) -> "EngineInfo":
         """The engine a GPU host will build from the plan's build step (not built here)."""
-        bp = plan.engine_step(role).params
-        return cls(path=path, max_batch_size=bp["max_batch_size"], max_input_len=bp["max_input_len"],
-                   max_seq_len=bp["max_seq_len"], max_draft_len=bp["max_draft_len"],
-                   gather_generation_logits=bp["gather_generation_logits"],
-                   vocab_size=plan.inspection.models[role].vocab_size)
+        limits = engine_limits(plan.spec, role)
+        return cls(path=path, vocab_size=plan.inspection.models[role].vocab_size, **dataclasses.asdict(limits))
 
 
 def kv_fractions(plan: Plan) -> dict[str, float]:
