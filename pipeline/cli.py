@@ -20,7 +20,7 @@ from pipeline.spec import SpecError
 from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.apps.bench", "pipeline.apps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
@@ -71,7 +71,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """Extract SmolLM2-135M-Instruct and derive the example draft and heads under models/."""
-    from specfixtures.models import make_models
+    from pipeline.fixtures.models import make_models
 
     make_models(args.out)
     return 0

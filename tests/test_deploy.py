@@ -87,8 +87,8 @@ CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny target + draft, untrained Medusa heads and EAGLE weights for that target."""
-    from specfixtures.models import make_random_eagle, make_random_medusa
-    from specfixtures.toymodels import make_derived_pair
+    from pipeline.fixtures.models import make_random_eagle, make_random_medusa
+    from pipeline.fixtures.toymodels import make_derived_pair
 
     root = tmp_path_factory.mktemp("ckpt")
     target, draft = make_derived_pair(root / "pair", eps=0.15)

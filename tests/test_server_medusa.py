@@ -12,7 +12,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from specfixtures.models import make_random_medusa
+from pipeline.fixtures.models import make_random_medusa
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
 from tests.triton_fixtures import serving, write_spec
 
