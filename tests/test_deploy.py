@@ -81,7 +81,7 @@ gpu: {{count: 4}}
 }
 OVERLAYS = list(SPECS)
 # Each overlay with a tiny spec, and with its example spec when `make models` has made the checkpoints.
-CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
+CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS if overlay in SPECS]  # gpu-multinode: test_deploy_multinode.py
 
 
 @pytest.fixture(scope="module")
