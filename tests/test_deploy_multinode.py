@@ -280,6 +280,8 @@ def test_spec_derived_values_agree_with_the_spec(rendered, case):
         assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == per_pod == gpu.gpus_per_node
     job = one(objects, "Job", "specdeploy-engine-build")["spec"]["template"]["spec"]
     assert container(job, "trtllm-build")["resources"]["limits"]["nvidia.com/gpu"] == min(world, gpu.gpus_per_node)
+    builds = [line for line in files_of(objects)["trtllm.sh"].splitlines() if " trtllm-build " in line]
+    assert len(builds) == 2 and all(f"--workers {gpu.gpus_per_node}" in line for line in builds)  # ranks r on GPU r % 8
     assert job["affinity"] == templates(objects)["leader"]["spec"]["affinity"]
     values = values_of(objects)
     assert (values["GPU_COUNT"], values["LWS_SIZE"], values["GPUS_PER_POD"]) == (str(world), str(size), str(per_pod))
