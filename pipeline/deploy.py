@@ -32,7 +32,7 @@ from pipeline import __version__, lws, stack
 from pipeline.cliargs import add_spec_arguments
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
-from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
+from pipeline.spec import Spec, SpecError, load_spec, named_checkpoints, parse_spec, to_dict
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -464,18 +464,18 @@ def deploy_overlay(spec: Spec, overlay: Path, hf_repos: dict[str, str] | None = 
     return d
 
 
-def deploy_examples(overlays_dir: Path) -> dict[str, DeployPlan | SpecError]:
-    """Write every overlay's component from its example spec (EXAMPLE_SPECS). An example whose checkpoints are not
-    on this machine (examples/multinode.yaml's 70B target) gets no component, and the error that says why."""
-    done: dict[str, DeployPlan | SpecError] = {}
-    for overlay, spec in EXAMPLE_SPECS.items():
+def deploy_examples(overlays_dir: Path) -> dict[str, DeployPlan | str]:
+    """Write every overlay's component from its example spec (EXAMPLE_SPECS). An example whose checkpoint folders
+    are not on this machine (examples/multinode.yaml's 70B target) gets no component, only the reason."""
+    done: dict[str, DeployPlan | str] = {}
+    for overlay, spec_file in EXAMPLE_SPECS.items():
         shutil.rmtree(overlays_dir / overlay / GENERATED, ignore_errors=True)  # never render a stale component
-        try:
-            done[overlay] = deploy_overlay(load_spec(PROJECT_ROOT / spec), overlays_dir / overlay)
-        except SpecError as err:
-            if not err.path.endswith(".checkpoint"):
-                raise
-            done[overlay] = err
+        spec = load_spec(PROJECT_ROOT / spec_file, check_paths=False)
+        missing = [f"{where} {path}" for where, path in named_checkpoints(spec) if not path.exists()]
+        if missing:
+            done[overlay] = f"{spec_file} needs {', '.join(missing)} (see its comments)"
+        else:
+            done[overlay] = deploy_overlay(load_spec(PROJECT_ROOT / spec_file), overlays_dir / overlay)
     return done
 
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.step == "examples":
             for overlay, d in deploy_examples(args.overlays).items():
-                print(f"skipped {overlay}: {d}" if isinstance(d, SpecError) else describe(d, args.overlays / overlay))
+                print(f"skipped {overlay}: {d}" if isinstance(d, str) else describe(d, args.overlays / overlay))
         elif args.step == "stage":
             print("\n".join(stage_checkpoints(args.manifest)))
         else:

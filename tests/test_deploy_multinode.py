@@ -437,3 +437,17 @@ def test_example_memory_plan_shows_why_two_nodes(llama):
         inspect_spec(example_spec(llama, "engine.pp_size=1", "gpu.count=8"))
     assert err.value.path == "gpu.memory_gib" and str(spec.engine.max_seq_len) in err.value.problem
     assert lws.topology(spec, "trtllm").size == 2
+
+
+def test_make_deploy_render_skips_the_example_whose_checkpoints_are_absent(workdir, monkeypatch, tmp_path):
+    """`python -m pipeline.deploy examples` (make deploy-render) on a machine without the 70B checkpoints."""
+    monkeypatch.setattr(deploy, "EXAMPLE_SPECS", {OVERLAY: deploy.EXAMPLE_SPECS[OVERLAY]})
+    overlays = tmp_path / "overlays"
+    shutil.copytree(workdir / "deploy" / "overlays", overlays)
+    (overlays / OVERLAY / deploy.GENERATED).mkdir(exist_ok=True)  # a stale component must not stay behind
+    spec = load_spec(REPO_DEPLOY.parent / deploy.EXAMPLE_SPECS[OVERLAY], check_paths=False)
+    if spec.models.target.checkpoint.exists():
+        pytest.skip("the example's checkpoints are on this machine")
+    (reason,) = deploy.deploy_examples(overlays).values()
+    assert isinstance(reason, str) and "models.target.checkpoint" in reason
+    assert not (overlays / OVERLAY / deploy.GENERATED).exists()
