@@ -65,7 +65,10 @@ def step_command(plan: Plan, step: Step) -> Command:
     out = f"$CACHE_DIR/{step.key}.tmp"
     if step.kind == "build":
         upstream = next(s for s in plan.steps if s.key == step.upstream)
-        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, upstream.params["tp_size"] * upstream.params["pp_size"])
+        ranks = upstream.params["tp_size"] * upstream.params["pp_size"]
+        # trtllm-build builds every rank on one host, rank r on GPU r % workers (build.py parallel_build):
+        # an engine spanning nodes builds on one node's GPUs.
+        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, min(ranks, plan.spec.gpu.gpus_per_node))
     return convert_command(plan.spec, step, out)
 
 
@@ -123,8 +126,8 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
     return Command("convert_checkpoint_llama", tuple(common + workers + weight_only + kv_flag))
 
 
-def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Command:
-    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per rank."""
+def build_command(step: Step, checkpoint: str, out: str, workers: int = 1) -> Command:
+    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per GPU."""
     p = step.params
     args = ["--checkpoint_dir", checkpoint, "--output_dir", out,
             "--max_batch_size", str(p["max_batch_size"]), "--max_input_len", str(p["max_input_len"]),
@@ -138,8 +141,8 @@ def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Comm
         args += ["--max_draft_len", str(p["max_draft_len"])]  # medusa/eagle: the converter wrote it into the checkpoint
     if p["gather_generation_logits"]:
         args += ["--gather_generation_logits"]
-    if ranks > 1:
-        args += ["--workers", str(ranks)]
+    if workers > 1:
+        args += ["--workers", str(workers)]
     return Command("trtllm-build", tuple(args))
 
 
