@@ -96,7 +96,7 @@ def test_launch_script_matches_launcher_contract(trtllm_repo):
     assert "--multi-model" in cmd and "--world_size=1" in cmd  # --multi-model needs world_size 1 when spawning
     assert "--tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_draft" in cmd
     script = render_launch_script(spec, repo)
-    assert "tritonserver:25.12-trtllm-python-py3" in script
+    assert stack.TRITON_IMAGE in script
     assert str(spec.out_dir / "trtllm" / "engines" / "draft" / "config.json") in script
 
 

@@ -1,6 +1,6 @@
 """The trtllm launch script: starts Triton with the TensorRT-LLM backend on the generated repository.
 
-It runs inside nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TensorRT-LLM 1.2.1), with
+It runs inside nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 (TensorRT-LLM 1.2.1), with
 this project and the spec's output folder mounted at the same paths as on the host, after the
 generated build script (python -m pipeline plan SPEC --dry-run) has built the engines.
 """

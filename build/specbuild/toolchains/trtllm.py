@@ -2,7 +2,7 @@
 
 Each plan step becomes one command (the architecture's convert_checkpoint.py, the Medusa / EAGLE
 converter, or quantize.py for calibrated qformats; then trtllm-build). The script runs as is inside
-nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3: `set -euo pipefail`, every path a variable
+nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3: `set -euo pipefail`, every path a variable
 that the environment may override, a version check, and the same content-addressed cache as the
 reference toolchain (a step whose key folder exists is skipped; a step writes KEY.tmp and renames).
 
