@@ -124,6 +124,10 @@ class ServingSpec:
     bls_instances: int = 1
     kv_cache_free_gpu_mem_fraction: KvFractionSpec = field(default_factory=KvFractionSpec)
     enable_kv_cache_reuse: bool = True
+    # Triton's decoupled transaction policy for tensorrt_llm, tensorrt_llm_draft and tensorrt_llm_bls (NVIDIA's
+    # fill_template `decoupled_mode`): true streams (gRPC streams, /generate_stream); false answers unary
+    # ModelInfer (HTTP /infer, tritonclient.infer), as NVIDIA's draft-target recipe configures its stock BLS.
+    decoupled: bool = True
     streaming: bool = True
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -321,6 +325,9 @@ def check_combinations(spec: Spec) -> None:
     s, e = spec.speculative, spec.engine
     if not spec.name.replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"{spec.name!r} has characters other than letters, digits, - and _", "rename it")
+    if spec.serving.streaming and not spec.serving.decoupled:
+        raise SpecError("serving.streaming", "streams only from decoupled models (serving.decoupled: false)",
+                        "set serving.streaming: false, or serving.decoupled: true")
     for key in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size"):
         if getattr(e, key) < 1:
             raise SpecError(f"engine.{key}", "must be at least 1", "set a positive value")

@@ -12,6 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_models, write_repo
 from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
 from pipeline.repo.launch import launch_command, render_launch_script
+from pipeline import stack
 from pipeline.repo.validate import RepoError, load_config, validate_repo
 from pipeline.spec import load_spec
 from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
@@ -77,13 +78,26 @@ def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):
         assert params["gpt_model_type"] == "inflight_fused_batching"
         assert params["gpt_model_path"] == str(spec.out_dir / "trtllm" / "engines" / role)
         assert params["enable_kv_cache_reuse"] == "true"
-        assert params["exclude_input_in_output"] == "true"
+        assert params["exclude_input_in_output"] == "false"  # NVIDIA's draft-target recipe value
         fractions.append(float(params["kv_cache_free_gpu_mem_fraction"]))
     assert 0 < sum(fractions) < 1 and fractions[0] > fractions[1]  # the 4-layer target gets more than the 1-layer draft
     bls = {k: v.string_value for k, v in parse(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
     assert bls["tensorrt_llm_model_name"] == "tensorrt_llm"
     assert bls["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
     assert int(bls["verify_input_len"]) == spec.engine.max_input_len  # TensorRT-LLM's own input limit
+
+
+@pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_serving_decoupled_sets_engines_and_bls(toolchain, decoupled, tiny_spec_engines):
+    """serving.decoupled is NVIDIA's decoupled_mode: the engines and the BLS follow it, in both toolchains."""
+    spec = dataclasses.replace(tiny_spec_engines.spec, serving=dataclasses.replace(
+        tiny_spec_engines.spec.serving, decoupled=decoupled, streaming=decoupled))
+    target, draft = engine_infos(spec, toolchain)
+    configs = {m.name: m for m in repo_models(spec, toolchain, target, draft)}
+    for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
+        cfg = text_format.Parse(configs[name].render(), mc.ModelConfig())
+        assert cfg.model_transaction_policy.decoupled is decoupled, name
 
 
 def test_launch_script_matches_launcher_contract(trtllm_repo):
