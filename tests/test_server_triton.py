@@ -309,7 +309,8 @@ def test_target_model_verifies_external_draft_tokens(triton_server, plain):
               "draft_input_ids": np.array([draft], dtype=np.int32)}
     (results,) = stream_requests(triton_server.grpc_url, "tensorrt_llm", [fields])
     out = [r.as_numpy("output_ids") for r in results if r.as_numpy("output_ids") is not None]
-    assert np.concatenate([o.reshape(-1) for o in out]).tolist() == greedy[:3]
+    # exclude_input_in_output is false in the config (NVIDIA's recipe): the prompt comes back first
+    assert np.concatenate([o.reshape(-1) for o in out]).tolist() == ids + greedy[:3]
     assert final_value(results, "total_accepted_draft_tokens") == 2
 
 
