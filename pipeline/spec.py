@@ -143,6 +143,7 @@ class GpuSpec:
     name: str = "NVIDIA-H100-80GB-HBM3"
     memory_gib: float = 80.0
     count: int = 1
+    compute_capability: float | None = None  # overrides the lookup of `name` in pipeline/gpus.py (e.g. 9.0)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,14 @@ class Spec:
     def out_dir(self) -> Path:
         """The folder of this spec's results: output.dir / name."""
         return self.output.dir / self.name
+
+    @property
+    def engine_models(self) -> list[tuple[str, ModelSpec]]:
+        """(role, model) pairs that get an engine: the target, and the draft when the mode has a draft engine."""
+        roles = [("target", self.models.target)]
+        if traits(self.speculative.mode).has_draft_engine:
+            roles.append(("draft", self.models.draft))
+        return roles
 
 
 # ----------------------------------------------------------------------------- loading
@@ -323,6 +332,10 @@ def _kind(value: Any) -> str:
 def check_combinations(spec: Spec) -> None:
     """Reject impossible combinations with the field that must change."""
     s, e = spec.speculative, spec.engine
+    if spec.toolchain == "trtllm":  # the GPU's rules (any spec's trtllm plan checks them too)
+        from pipeline.gpus import check_gpu_rules
+
+        check_gpu_rules(spec)
     if not spec.name.replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"{spec.name!r} has characters other than letters, digits, - and _", "rename it")
     if spec.serving.streaming and not spec.serving.decoupled:

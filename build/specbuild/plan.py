@@ -23,7 +23,8 @@ from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
-from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
+from pipeline.gpus import engine_dtype
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
@@ -194,16 +195,10 @@ def build_params(spec: Spec, role: str) -> dict:
         "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
         # lossless acceptance compares the draft's q with the target's p: both engines return logits
         "gather_generation_logits": bool(s.use_draft_logits),
-        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": 32,
+        # paged context FMHA is what KV-cache reuse needs; TensorRT-LLM refuses it with an INT8 KV cache
+        "use_paged_context_fmha": dict(spec.engine_models)[role].kv_cache_dtype != "int8",
+        "paged_kv_cache": True, "tokens_per_block": 32,
     }
-
-
-def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
-    """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
-    roles = [("target", spec.models.target)]
-    if traits(spec.speculative.mode).has_draft_engine:
-        roles.append(("draft", spec.models.draft))
-    return roles
 
 
 def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
@@ -215,8 +210,10 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
     plan = Plan(spec=spec, toolchain=toolchain)
-    for role, model in model_roles(spec):
+    for role, model in spec.engine_models:
         params = convert_params(spec, role, model)
+        if toolchain_traits(toolchain).gpu:  # TensorRT-LLM builds no float32 engines (pipeline/gpus.py)
+            params["dtype"] = engine_dtype(spec, model)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
             inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)
