@@ -52,11 +52,12 @@ def prompts(n: int) -> list[str]:
     return [" ".join(words[i * 7:i * 7 + 5 + i % 4]) for i in range(n)]
 
 
-def grpc_inputs(fields: dict) -> list:
+def grpc_inputs(fields: dict, client_module=grpcclient) -> list:
+    """InferInputs of tritonclient.grpc (or of the client module given, e.g. tritonclient.http)."""
     out = []
     for name, value in fields.items():
         arr = np.asarray(value)
-        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t = client_module.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
         t.set_data_from_numpy(arr)
         out.append(t)
     return out
