@@ -51,6 +51,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.dry_run:
         from specbuild.toolchains import toolchain_module
 
+        from pipeline.gpus import dtype_notices
+
+        for notice in dtype_notices(spec):
+            print(notice, file=sys.stderr)
         sys.stdout.write(toolchain_module(GPU_TOOLCHAIN).build_script(planning.make_plan(spec, GPU_TOOLCHAIN)))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)

@@ -64,7 +64,8 @@ def test_medusa_engine_speculates_and_matches_greedy(medusa_server):
         "input_lengths": np.array([[len(prompt_ids)]], dtype=np.int32),
         "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
         "end_id": np.array([[tok.eos_token_id]], dtype=np.int32),
-        "return_perf_metrics": np.array([[True]], dtype=bool)}])
+        "return_perf_metrics": np.array([[True]], dtype=bool),
+        "exclude_input_in_output": np.array([[True]], dtype=bool)}])
     [ids] = [r.as_numpy("output_ids") for r in results if r.as_numpy("output_ids") is not None]
     assert ids.reshape(-1).tolist() == expected
     drafted, accepted = int(final_value(results, "total_draft_tokens")), int(final_value(results, "total_accepted_draft_tokens"))

@@ -24,7 +24,8 @@ from pipeline.checkpoints import Report, inspect_spec
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
-from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
+from pipeline.gpus import engine_dtype
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
@@ -207,16 +208,10 @@ def build_params(spec: Spec, role: str) -> dict:
         "max_seq_len": limits.max_seq_len, "max_num_tokens": limits.max_num_tokens,
         "max_draft_len": limits.max_draft_len, "speculative_decoding_mode": decoding_mode(spec, role),
         "gather_generation_logits": limits.gather_generation_logits,
-        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": limits.tokens_per_block,
+        # paged context FMHA is what KV-cache reuse needs; TensorRT-LLM refuses it with an INT8 KV cache
+        "use_paged_context_fmha": dict(spec.engine_models)[role].kv_cache_dtype != "int8",
+        "paged_kv_cache": True, "tokens_per_block": limits.tokens_per_block,
     }
-
-
-def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
-    """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
-    roles = [("target", spec.models.target)]
-    if traits(spec.speculative.mode).has_draft_engine:
-        roles.append(("draft", spec.models.draft))
-    return roles
 
 
 def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None,
@@ -233,8 +228,10 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
     plan = Plan(spec=spec, toolchain=toolchain, inspection=inspection)
-    for role, model in model_roles(spec):
+    for role, model in spec.engine_models:
         params = convert_params(spec, role, model, inspection)
+        if toolchain_traits(toolchain).gpu:  # TensorRT-LLM builds no float32 engines (pipeline/gpus.py)
+            params["dtype"] = engine_dtype(spec, model)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
             inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)

@@ -78,7 +78,9 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
         "max_beam_width": "1",
         "kv_cache_free_gpu_mem_fraction": str(kv_fraction),
         "enable_kv_cache_reuse": _bool(spec.serving.enable_kv_cache_reuse),
-        "exclude_input_in_output": "true",
+        # NVIDIA's draft-target recipe fills exclude_input_in_output:False: its stock BLS and clients read the
+        # prompt back in output_ids. Our BLS sends exclude_input_in_output per call, so either default serves it.
+        "exclude_input_in_output": "false",
         "batch_scheduler_policy": "guaranteed_no_evict",
     }
     heads_field = traits(s.mode).heads_field
@@ -93,8 +95,8 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
     return ModelConfigSpec(
         name=name, backend=toolchain_traits(toolchain).engine_backend,
         max_batch_size=spec.engine.max_batch_size, inputs=iface.inputs, outputs=iface.outputs,
-        decoupled=True, instance_count=1,
-        # A decoupled model batches in flight itself: no queue delay in front of it.
+        decoupled=spec.serving.decoupled, instance_count=1,
+        # The engine batches in flight itself (decoupled or not, requests are handed over at once): no queue delay.
         dynamic_batching=DynamicBatching(preferred_batch_size=(spec.engine.max_batch_size,), max_queue_delay_microseconds=0),
         parameters=params)
 
@@ -117,7 +119,7 @@ def text_model(spec: Spec, name: str, tokenizer_dir: Path) -> ModelConfigSpec:
 
 
 def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInfo, has_draft: bool) -> ModelConfigSpec:
-    """tensorrt_llm_bls: the decoupled, streaming, concurrent speculative orchestrator."""
+    """tensorrt_llm_bls: the concurrent speculative orchestrator (streaming when serving.decoupled)."""
     s = spec.speculative
     ngram = s.ngram
     params = {
@@ -143,7 +145,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
     iface = interface("tensorrt_llm_bls")
     return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
-                           inputs=iface.inputs, outputs=iface.outputs, decoupled=True,
+                           inputs=iface.inputs, outputs=iface.outputs, decoupled=spec.serving.decoupled,
                            instance_count=spec.serving.bls_instances, parameters=params)
 
 

@@ -2,7 +2,7 @@
 
 Each plan step becomes one command (the architecture's convert_checkpoint.py, the Medusa / EAGLE
 converter, or quantize.py for calibrated qformats; then trtllm-build). The script runs as is inside
-nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3: `set -euo pipefail`, every path a variable
+nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3: `set -euo pipefail`, every path a variable
 that the environment may override, a version check, and the same content-addressed cache as the
 reference toolchain (a step whose key folder exists is skipped; a step writes KEY.tmp and renames).
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import pipeline
 from pipeline import stack
 from pipeline.modes import traits
+from pipeline.gpus import check_gpu_rules, dtype_notices
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
 from specbuild.execute import write_if_changed
 from specbuild.plan import Plan, Step, resolve_toolchain
@@ -132,8 +133,9 @@ def build_command(step: Step, checkpoint: str, out: str, workers: int = 1) -> Co
     args = ["--checkpoint_dir", checkpoint, "--output_dir", out,
             "--max_batch_size", str(p["max_batch_size"]), "--max_input_len", str(p["max_input_len"]),
             "--max_seq_len", str(p["max_seq_len"]), "--max_num_tokens", str(p["max_num_tokens"]),
-            "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--tokens_per_block", str(p["tokens_per_block"]),
-            "--use_paged_context_fmha", "enable"]  # KV reuse (needed by draft-target) requires paged context FMHA
+            "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--tokens_per_block", str(p["tokens_per_block"])]
+    if p["use_paged_context_fmha"]:  # KV reuse (needed by draft-target) requires paged context FMHA
+        args += ["--use_paged_context_fmha", "enable"]
     mode = p["speculative_decoding_mode"]
     if mode is not None:
         args += ["--speculative_decoding_mode", mode]
@@ -148,6 +150,7 @@ def build_command(step: Step, checkpoint: str, out: str, workers: int = 1) -> Co
 
 def check_plan_rules(spec: Spec) -> None:
     """Rules of the trtllm toolchain that the reference toolchain does not have."""
+    check_gpu_rules(spec)
     e = spec.speculative.eagle
     if e is not None:
         depth = max(len(c) for c in e.choices)
@@ -268,6 +271,7 @@ def render_script(plan: Plan) -> str:
         f"# Run on a GPU host inside {stack.TRITON_IMAGE}, e.g.",
         f"#   docker run --rm --gpus all -v /models:/models -v $PWD:$PWD -w $PWD {stack.TRITON_IMAGE} bash build_engines.sh",
         "# Every path below may be overridden from the environment (e.g. TARGET_MODEL_DIR=/models/x bash build_engines.sh).",
+        *(f"# {notice}" for notice in dtype_notices(spec)),
         "set -euo pipefail",
         "",
     ]
