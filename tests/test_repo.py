@@ -100,8 +100,9 @@ def test_serving_decoupled_sets_engines_and_bls(toolchain, decoupled, tiny_spec_
     """serving.decoupled is NVIDIA's decoupled_mode: the engines and the BLS follow it, in both toolchains."""
     spec = dataclasses.replace(tiny_spec_engines.spec, serving=dataclasses.replace(
         tiny_spec_engines.spec.serving, decoupled=decoupled, streaming=decoupled))
-    target, draft = engine_infos(spec, toolchain)
-    configs = {m.name: m for m in repo_models(spec, toolchain, target, draft)}
+    plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    configs = {m.name: m for m in repo_models(plan, target, draft)}
     for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
         cfg = text_format.Parse(configs[name].render(), mc.ModelConfig())
         assert cfg.model_transaction_policy.decoupled is decoupled, name

@@ -26,8 +26,7 @@ def unary_server(tmp_path_factory, derived_pair):
     folder = tmp_path_factory.mktemp("unary")
     target, draft = derived_pair
     spec = load_spec(write_spec(folder, target, draft, **{"serving.decoupled": False, "serving.streaming": False}))
-    run_reference(spec)
-    with serving(spec) as (server, _repo):
+    with serving(run_reference(spec)) as (server, _repo):
         yield server, AutoTokenizer.from_pretrained(target)
 
 
