@@ -132,7 +132,10 @@ class Frontend:
     async def _local_tokenizer_dir(self) -> str | None:
         """--tokenizer, else the server's tokenizer directory when it is on this machine."""
         if self.tokenizer_dir is None:
-            directory = tokenizer_dir_of(await self.client.model_config("preprocessing"))
+            try:
+                directory = tokenizer_dir_of(await self.client.model_config("preprocessing"))
+            except ClientError as error:
+                raise ApiError.from_client_error(error) from None
             self.tokenizer_dir = directory if directory and Path(directory).is_dir() else ""
         return self.tokenizer_dir or None
 
@@ -143,8 +146,10 @@ class Frontend:
             self.chat_template = ChatTemplate.from_tokenizer_dir(directory) if directory else ChatTemplate()
         return self.chat_template
 
-    async def local_token_text(self) -> TokenText | None:
-        """The tokenizer (tokenizer.json) when it is on this machine."""
+    async def local_token_text(self, needed: bool = True) -> TokenText | None:
+        """The tokenizer (tokenizer.json) when it is on this machine (and `needed`)."""
+        if not needed:
+            return None
         if self._tokens is None:
             directory = await self._local_tokenizer_dir()
             found = directory is not None and (Path(directory) / "tokenizer.json").is_file()
@@ -201,7 +206,7 @@ class Frontend:
                 return {**base, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
             opening = chunk(prompts[0], None) if body.echo else None
             return await self.stream(requests[0], body, base, chunk, opening)
-        tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text()
+        tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text(bool(body.stop))
         done = await asyncio.gather(*(self.run(r, body, tokens) for r in requests))
         choices = []
         for i, (prompt, d) in enumerate(zip(prompts, done)):
@@ -257,7 +262,7 @@ class Frontend:
                 delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
                 return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
             return await self.stream(request, body, base, chunk, opening=chunk(None, None))
-        tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text()
+        tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text(bool(body.stop))
         done = await self.run(request, body, tokens)
         logprobs = chat_logprobs(done.logprobs, tokens) if body.wants_logprobs else None
         return {**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
@@ -301,7 +306,7 @@ class Frontend:
     async def stream(self, request: GenerateRequest, body: GenerationFields, base: dict, chunk,
                      opening: dict | None = None) -> StreamingResponse:
         """An SSE response. The first response is awaited here, so a refused request gets a real error status."""
-        gen = Choice(request, TextStops(body.stop_strings), await self.local_token_text())
+        gen = Choice(request, TextStops(body.stop_strings), await self.local_token_text(bool(body.stop)))
         deltas = self.client.stream(request)
         try:
             first = await deltas.__anext__()

@@ -379,7 +379,7 @@ def test_log_probs_and_context_logits_under_nvidia_names(triton_server, plain):
     assert final_value(target, "cum_log_probs") == pytest.approx(sum(want), abs=1e-3)
     (context,) = [r.as_numpy("context_logits") for r in target if r.as_numpy("context_logits") is not None]
     assert context.shape == (1, len(ids), ref.shape[1])
-    np.testing.assert_allclose(torch.log_softmax(torch.from_numpy(context[0]), -1).numpy(), ref[:len(ids)].numpy(), atol=1e-4)
+    np.testing.assert_allclose(torch.log_softmax(torch.from_numpy(context[0].copy()), -1).numpy(), ref[:len(ids)].numpy(), atol=1e-4)
     for k in (0, 3):
         (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(
             prompt, 8, num_draft_tokens=k, return_log_probs=True, stream=True)])
