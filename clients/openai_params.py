@@ -145,10 +145,12 @@ class CompletionRequest(GenerationFields):
 
     @property
     def wants_logprobs(self) -> bool:
+        """`logprobs` is set (0 means the chosen tokens only)."""
         return self.logprobs is not None
 
     @property
     def num_top_logprobs(self) -> int:
+        """Completions' `logprobs` is the number of alternatives."""
         return self.logprobs or 0
 
     def prompts(self) -> list[str | list[int]]:
@@ -192,10 +194,12 @@ class ChatRequest(GenerationFields):
 
     @property
     def wants_logprobs(self) -> bool:
+        """Chat's `logprobs` is a flag."""
         return bool(self.logprobs)
 
     @property
     def num_top_logprobs(self) -> int:
+        """Chat's `top_logprobs`."""
         return self.top_logprobs or 0
 
     def check(self) -> None:

@@ -96,6 +96,7 @@ class Choice:
 
     @property
     def stopped(self) -> bool:
+        """Whether a stop string ended the text."""
         return self.stops.matched is not None
 
     def outcome(self, logprobs: TokenLogprobs | None = None) -> Outcome:
