@@ -61,9 +61,11 @@ class TokenText:
 
     def tokens_for(self, ids: list[int], num_chars: int) -> int:
         """How many of `ids` it takes to produce the first `num_chars` characters of their text (as served:
-        special tokens skipped)."""
-        return next((n for n in range(len(ids) + 1) if len(self.decode(ids[:n], skip_special=True)) >= num_chars),
-                    len(ids))
+        special tokens skipped, so a trailing end-of-turn token does not count)."""
+        n = len(ids)
+        while n > 0 and len(self.decode(ids[:n - 1], skip_special=True)) >= num_chars:
+            n -= 1
+        return n
 
     def bytes_of(self, token_id: int) -> bytes:
         """The raw bytes one token stands for."""

@@ -298,8 +298,8 @@ class Frontend:
         if len(data.logprobs) != len(ids):
             raise ApiError(500, f"the server returned {len(data.logprobs)} log-probs for {len(ids)} tokens",
                            type_="server_error")
-        if gen.stopped:  # keep the tokens that make up the text before the stop string
-            data = data.head(tokens.tokens_for(ids, len(gen.text)))
+        # the tokens behind the returned text: not those of a stop string, nor a trailing special token
+        data = data.head(tokens.tokens_for(ids, len(gen.text)))
         context = [d.context_logits for d in gen.deltas if d.context_logits is not None]
         data.context_logits = context[0] if context else None
         return data
