@@ -105,11 +105,16 @@ class TokenLogprobs:
         return cls(ids, values, top)
 
     def __add__(self, other: "TokenLogprobs") -> "TokenLogprobs":
-        return TokenLogprobs(self.ids + other.ids, self.logprobs + other.logprobs, self.top + other.top)
+        context = self.context_logits if self.context_logits is not None else other.context_logits
+        return TokenLogprobs(self.ids + other.ids, self.logprobs + other.logprobs, self.top + other.top, context)
 
     def head(self, n: int) -> "TokenLogprobs":
         """The first n tokens."""
-        return TokenLogprobs(self.ids[:n], self.logprobs[:n], self.top[:n])
+        return TokenLogprobs(self.ids[:n], self.logprobs[:n], self.top[:n], self.context_logits)
+
+    def tail(self, start: int) -> "TokenLogprobs":
+        """The tokens from `start` on."""
+        return TokenLogprobs(self.ids[start:], self.logprobs[start:], self.top[start:])
 
 
 def _top(row: np.ndarray, k: int) -> list[tuple[int, float]]:

@@ -115,8 +115,6 @@ class GenerationFields(BaseModel):
                            param="stream_options")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
-        if self.wants_logprobs and self.stream:
-            raise ApiError(400, "logprobs with stream=true are not supported; send stream=false", param="logprobs")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -152,6 +150,12 @@ class CompletionRequest(GenerationFields):
     def num_top_logprobs(self) -> int:
         """Completions' `logprobs` is the number of alternatives."""
         return self.logprobs or 0
+
+    def check(self) -> None:
+        """GenerationFields.check, plus: echoed prompt log-probs only without stream."""
+        super().check()
+        if self.echo and self.wants_logprobs and self.stream:
+            raise ApiError(400, "echo with logprobs is not supported with stream=true; send stream=false", param="echo")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids."""

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -68,20 +67,26 @@ class Outcome:
 
 @dataclass
 class Choice:
-    """One choice in progress: text released so far (stop strings held back and cut), tokens and stats."""
+    """One choice in progress: text released so far (stop strings held back and cut), tokens and stats,
+    and each token's log-prob (with `top` alternatives) when `top` is not None."""
 
     request: GenerateRequest
     stops: TextStops
     tokens: TokenText | None  # the tokenizer, when it is on this machine: exact token counts at a stop string
+    top: int | None = None  # alternatives per token when logprobs are asked for
     text: str = ""
     deltas: list[Delta] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     tokens_at_stop: int | None = None  # token ids received when a stop string matched
+    data: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
+    reported: int = 0  # tokens whose log-probs went out in stream chunks
 
     def add(self, delta: Delta) -> str:
         """Take one server response; return the text that can be sent now."""
         self.deltas.append(delta)
         self.stats.update(delta.stats)
+        if self.top is not None:
+            self.data = self.data + _delta_logprobs(delta, self.top)
         out = self.stops.feed(delta.text)
         if self.stops.matched is not None and self.tokens_at_stop is None:
             self.tokens_at_stop = sum(len(d.token_ids) for d in self.deltas)
@@ -99,6 +104,17 @@ class Choice:
         """Whether a stop string ended the text."""
         return self.stops.matched is not None
 
+    def logprobs(self) -> TokenLogprobs:
+        """The log-probs of the tokens behind the text so far: not those of a held-back or stop string, nor a
+        trailing special token (such as a kept end-of-turn)."""
+        return self.data.head(self.tokens.tokens_for(self.data.ids, len(self.text)))
+
+    def new_logprobs(self) -> TokenLogprobs:
+        """logprobs() not reported yet (for the next stream chunk)."""
+        data = self.logprobs()
+        new, self.reported = data.tail(self.reported), len(data.ids)
+        return new
+
     def outcome(self, logprobs: TokenLogprobs | None = None) -> Outcome:
         """The finished choice. After a stop string, completion_tokens counts the tokens up to the one that
         completed it (without the tokenizer: every token received by then, which may be a few more)."""
@@ -111,6 +127,27 @@ class Choice:
         else:
             reason, completion = ("length" if generated >= self.request.max_tokens else "stop"), generated
         return Outcome(self.text, reason, int(self.stats.get("num_input_tokens", 0)), completion, self.stats, logprobs)
+
+
+def _delta_logprobs(delta: Delta, top: int) -> TokenLogprobs:
+    """One server response's tokens with their log-probs: from the target's logits when alternatives are asked
+    for (token and alternatives then come from the same numbers), else from output_log_probs."""
+    if not delta.token_ids:
+        return TokenLogprobs([], [], [], delta.context_logits)
+    if top:
+        rows = 0 if delta.generation_logits is None else len(delta.generation_logits)
+        if rows != len(delta.token_ids):
+            raise ApiError(500, f"the server returned logits for {rows} of {len(delta.token_ids)} tokens",
+                           type_="server_error")
+        data = TokenLogprobs.from_logits(delta.token_ids, delta.generation_logits, top, False)
+    else:
+        values = delta.log_probs or []
+        if len(values) != len(delta.token_ids):
+            raise ApiError(500, f"the server returned {len(values)} log-probs for {len(delta.token_ids)} tokens",
+                           type_="server_error")
+        data = TokenLogprobs(list(delta.token_ids), list(values), [[] for _ in values])
+    data.context_logits = delta.context_logits
+    return data
 
 
 def _sse(payload: dict | str) -> str:
@@ -203,10 +240,16 @@ class Frontend:
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": cid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
-            def chunk(text: str, finish: str | None) -> dict:
-                return {**base, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-            opening = chunk(prompts[0], None) if body.echo else None
-            return await self.stream(requests[0], body, base, chunk, opening)
+            def chunk(text: str, finish: str | None, logprobs: dict | None) -> dict:
+                return {**base, "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+            offset = [len(prompts[0]) if body.echo else 0]  # text_offset of the next chunk's first token
+
+            def render(data: TokenLogprobs, tokens: TokenText) -> dict:
+                out = completion_logprobs(data, tokens, with_top=True, offset0=offset[0])
+                offset[0] += sum(len(t) for t in out["tokens"])
+                return out
+            opening = chunk(prompts[0], None, None) if body.echo else None
+            return await self.stream(requests[0], body, base, chunk, opening, render if body.wants_logprobs else None)
         tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text(bool(body.stop))
         done = await asyncio.gather(*(self.run(r, body, tokens) for r in requests))
         choices = []
@@ -259,10 +302,11 @@ class Frontend:
         if body.stream:
             base["object"] = "chat.completion.chunk"
 
-            def chunk(text: str | None, finish: str | None) -> dict:
+            def chunk(text: str | None, finish: str | None, logprobs: dict | None) -> dict:
                 delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-                return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-            return await self.stream(request, body, base, chunk, opening=chunk(None, None))
+                return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+            return await self.stream(request, body, base, chunk, opening=chunk(None, None, None),
+                                     render=chat_logprobs if body.wants_logprobs else None)
         tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text(bool(body.stop))
         done = await self.run(request, body, tokens)
         logprobs = chat_logprobs(done.logprobs, tokens) if body.wants_logprobs else None
@@ -272,7 +316,7 @@ class Frontend:
 
     async def run(self, request: GenerateRequest, body: GenerationFields, tokens: TokenText | None) -> Outcome:
         """Run one request to its end (streamed from Triton, so a stop string ends it at once)."""
-        gen = Choice(request, TextStops(body.stop_strings), tokens)
+        gen = Choice(request, TextStops(body.stop_strings), tokens, body.num_top_logprobs if body.wants_logprobs else None)
         deltas = self.client.stream(request)
         try:
             async for delta in deltas:
@@ -284,30 +328,17 @@ class Frontend:
         finally:
             await deltas.aclose()  # after a stop string: cancels the rest of the Triton request
         gen.finish()
-        return gen.outcome(self.token_logprobs(gen, body, tokens) if body.wants_logprobs else None)
-
-    @staticmethod
-    def token_logprobs(gen: Choice, body: GenerationFields, tokens: TokenText) -> TokenLogprobs:
-        """The generated tokens' log-probs (and top alternatives), cut to the tokens behind the returned text."""
-        ids = [t for d in gen.deltas for t in d.token_ids]
-        logits = [d.generation_logits for d in gen.deltas if d.generation_logits is not None]
-        if body.num_top_logprobs:
-            data = TokenLogprobs.from_logits(ids, np.concatenate(logits), body.num_top_logprobs, False)
-        else:
-            data = TokenLogprobs(ids, [v for d in gen.deltas for v in d.log_probs or []], [[] for _ in ids])
-        if len(data.logprobs) != len(ids):
-            raise ApiError(500, f"the server returned {len(data.logprobs)} log-probs for {len(ids)} tokens",
-                           type_="server_error")
-        # the tokens behind the returned text: not those of a stop string, nor a trailing special token
-        data = data.head(tokens.tokens_for(ids, len(gen.text)))
-        context = [d.context_logits for d in gen.deltas if d.context_logits is not None]
-        data.context_logits = context[0] if context else None
-        return data
+        return gen.outcome(gen.logprobs() if body.wants_logprobs else None)
 
     async def stream(self, request: GenerateRequest, body: GenerationFields, base: dict, chunk,
-                     opening: dict | None = None) -> StreamingResponse:
-        """An SSE response. The first response is awaited here, so a refused request gets a real error status."""
-        gen = Choice(request, TextStops(body.stop_strings), await self.local_token_text(bool(body.stop)))
+                     opening: dict | None = None, render=None) -> StreamingResponse:
+        """An SSE response. The first response is awaited here, so a refused request gets a real error status.
+        With logprobs, `render(TokenLogprobs, tokens)` gives each chunk's logprobs object for its tokens."""
+        tokens = await self.token_text("logprobs") if body.wants_logprobs else await self.local_token_text(bool(body.stop))
+        gen = Choice(request, TextStops(body.stop_strings), tokens, body.num_top_logprobs if body.wants_logprobs else None)
+
+        def event(text: str, finish: str | None = None) -> str:
+            return _sse(chunk(text, finish, render(gen.new_logprobs(), tokens) if render else None))
         deltas = self.client.stream(request)
         try:
             first = await deltas.__anext__()
@@ -322,11 +353,11 @@ class Frontend:
                 yield _sse(opening)
             try:
                 if first is not None and (text := gen.add(first)):
-                    yield _sse(chunk(text, None))
+                    yield event(text)
                 if not gen.stopped:
                     async for delta in deltas:
                         if text := gen.add(delta):
-                            yield _sse(chunk(text, None))
+                            yield event(text)
                         if gen.stopped:
                             break
             except ClientError as error:
@@ -336,9 +367,9 @@ class Frontend:
             finally:
                 await deltas.aclose()  # a client that disconnects (or a stop string) cancels its Triton request
             if text := gen.finish():
-                yield _sse(chunk(text, None))
+                yield event(text)
             done = gen.outcome()
-            yield _sse({**chunk("", done.finish_reason), "speculation": done.speculation()})
+            yield _sse({**chunk("", done.finish_reason, None), "speculation": done.speculation()})
             if body.stream_options and body.stream_options.get("include_usage"):
                 yield _sse({**base, "choices": [], "usage": done.usage()})
             yield _sse("[DONE]")

@@ -245,6 +245,32 @@ def test_logprobs_without_alternatives_and_with_a_stop_string(api, greedy, trito
     assert all(top == {} for top in lp.top_logprobs)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_streamed_logprobs_equal_the_non_streamed(api, triton_server, k):
+    stop = mid_token_stop(api.completions.create(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                 temperature=0).choices[0].text, triton_server.target_dir)
+    for top in (0, 2):
+        full = api.completions.create(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=top,
+                                      stop=stop, extra_body={"num_draft_tokens": k}).choices[0]
+        chunks = [c.choices[0] for c in api.completions.create(
+            model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=top, stop=stop, stream=True,
+            extra_body={"num_draft_tokens": k}) if c.choices[0].logprobs]
+        assert "".join(c.text for c in chunks) == full.text
+        streamed = {name: [v for c in chunks for v in getattr(c.logprobs, name)]
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert streamed["tokens"] == full.logprobs.tokens and streamed["text_offset"] == full.logprobs.text_offset
+        assert streamed["token_logprobs"] == pytest.approx(full.logprobs.token_logprobs, abs=1e-4)
+        for got, want in zip(streamed["top_logprobs"], full.logprobs.top_logprobs, strict=True):
+            assert got == pytest.approx(want, abs=1e-4)  # same tokens, same values
+    full = api.chat.completions.create(model="ensemble", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2).choices[0]
+    streamed = [e for c in api.chat.completions.create(model="ensemble", messages=CHAT, max_tokens=8, temperature=0,
+                                                       logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full.logprobs.content], abs=1e-4)
+
+
 def test_echo_with_prompt_logprobs_from_token_ids(api, triton_server, hf_target):
     """What lm-eval's local-completions sends for log-likelihood: token ids, echo, logprobs=1, max_tokens=1."""
     ids = tokenizer_of(triton_server).encode(PROMPT + " the", add_special_tokens=False).ids
@@ -302,7 +328,7 @@ REFUSED = [
     ("completions", {"n": 2}, "n"),
     ("completions", {"ignore_eos": True}, "ignore_eos"),
     ("completions", {"logprobs": 6}, "logprobs"),
-    ("completions", {"logprobs": 1, "stream": True}, "logprobs"),
+    ("completions", {"logprobs": 1, "echo": True, "stream": True}, "echo"),
     ("completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("completions", {"temperature": 2.5}, "temperature"),
     ("completions", {"presence_penalty": -2.5}, "presence_penalty"),
