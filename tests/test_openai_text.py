@@ -5,7 +5,7 @@ import pytest
 
 from clients.openai_logprobs import TokenText, log_softmax
 from clients.text_stops import TextStops
-from specfixtures.toymodels import make_tokenizer
+from pipeline.fixtures.toymodels import make_tokenizer
 
 TEXT = "The answer is 42. Paris is the capital."
 
