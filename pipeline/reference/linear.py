@@ -1,0 +1,137 @@
+"""The reference model's linear-layer kernels on CPU, one per weight format, chosen by measurement.
+
+`make bench-kernels` (pipeline/bench_kernels.py) times the candidates on SmolLM2's shapes for 1-8
+rows and checks which are batch-invariant; docs/engine.md has the numbers. Each kernel maps
+x [T, in] (the model's compute dtype) to [T, out] in the same dtype and says whether a row's result
+is bit-for-bit independent of the other rows (`batch_invariant`): the model then verifies K + 1
+tokens in one call instead of row by row, and speculative output still equals plain output.
+
+- DenseLinear: F.linear on the compute dtype (fp32 wide matrices in the transposed layout, see
+  `wide_layout`). Not batch-invariant: MKL's fp32 GEMM rounds differently for different row counts.
+- Int8WeightOnly (W8A16, int8_wo): int8 per-channel weights, 16-bit activations as TensorRT-LLM's
+  W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
+  it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
+- Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic int8 activations times int8 weights with
+  int32 accumulation (`torch._int_mm`), then the row scale times the channel scale. Integer sums
+  are exact, so a row's result cannot depend on the rest of the batch.
+- Float16Weights (the output layer of quantized engines, as TensorRT-LLM keeps it in 16 bits):
+  fbgemm's fp16-weight GEMM, fp32 activations and accumulation (batch-invariant, measured).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+
+
+def wide_layout(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [out, in] with out > in as a view over [in, out] storage (else unchanged).
+
+    F.linear on such a view runs x @ W^T as a row-major [in, out] GEMV, which reads memory about
+    1.5-2x faster on these CPUs for wide outputs (lm_head, qkv, gate_up); narrow outputs (down)
+    are faster in the usual layout, and bf16 / fp16 are 25x SLOWER in the transposed one.
+    Measured with torch 2.13 on the 2-core development machines.
+    """
+    wide = weight.dtype == torch.float32 and weight.shape[0] > weight.shape[1]
+    return weight.t().contiguous().t() if wide else weight
+
+
+class DenseLinear:
+    """x @ weight.T (+ bias) on the compute dtype."""
+
+    batch_invariant = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = wide_layout(weight), bias  # [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.weight, self.bias])
+
+
+class Int8WeightOnly:
+    """W8A16: bf16-rounded input times int8 per-channel weights (`_weight_int8pack_mm`), then + bias."""
+
+    batch_invariant = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 smoother: torch.Tensor | None = None):
+        self.q = q.contiguous()  # int8 [out, in]
+        self.scale = scale.to(torch.bfloat16)  # [out]
+        self.bias = bias
+        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_smoother is not None:
+            x = x * self.inv_smoother.to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.q, self.scale, self.bias, self.inv_smoother])
+
+
+class Int8PerToken:
+    """W8A8: per-row dynamic int8 activations x int8 per-channel weights, int32 sums (`torch._int_mm`)."""
+
+    batch_invariant = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 smoother: torch.Tensor | None = None):
+        self.q_t = q.t()  # int8 [in, out] view of the [out, in] weight: _int_mm's fastest layout at 1 row (measured)
+        self.scale = scale.float()  # [out]
+        self.bias = bias
+        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.inv_smoother is not None:
+            xf = xf * self.inv_smoother
+        x_q, x_scale = quantize_per_token(xf)
+        y = torch._int_mm(x_q, self.q_t).float() * x_scale * self.scale  # [T, out]
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.q_t, self.scale, self.bias, self.inv_smoother])
+
+
+class Float16Weights:
+    """fp16 weights, fp32 activations and accumulation (fbgemm's prepacked fp16 GEMM), output in x's dtype."""
+
+    batch_invariant = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+        self.bias = bias
+        self.weight_nbytes = weight.numel() * 2  # fp16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return self.weight_nbytes + tensor_bytes([self.bias])
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q int8 [T, in], scale f32 [T, 1]) with x ~= q * scale."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # [T, 1]
+    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def tensor_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the given tensors (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
