@@ -13,7 +13,7 @@ from pipeline.reference.checkpoint import dequantize_linear, load_engine, quanti
 from pipeline.reference.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine, Request
-from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly, quantize_per_token
+from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
 
@@ -50,12 +50,18 @@ def test_int8_kernels_are_row_invariant_and_close_to_the_dequantized_weight(kern
     assert 0 < rel < 0.02  # bf16 inputs (W8A16) or int8 inputs (W8A8) cost well under 2 %
 
 
-def test_per_token_scales_ignore_the_other_rows():
+def test_w8a8_rounds_every_row_on_its_own_8_bit_grid():
+    s = stored("W8A8_SQ_PER_CHANNEL", 96, 64, seed=3)
+    kernel = Int8PerToken(s["weight"], s["weight_scale"], smoother=s["smoother"])
     x = torch.randn(4, 64)
-    x[2] *= 1000  # a huge row does not coarsen the others' int8 steps (per-batch scaling would)
-    q, scale = quantize_per_token(x)
-    assert torch.equal(q[:2], quantize_per_token(x[:2])[0]) and scale.shape == (4, 1)
-    assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-6).all()
+    x[2] *= 1000  # a huge row does not coarsen the others' steps (one range per batch would)
+    xs = x / s["smoother"]
+    row_scale = xs.abs().amax(-1, keepdim=True)  # [4, 1]
+    step = 2 / 255  # fbgemm's uint8 grid over the pinned range [-1, 1]
+    x_q = (torch.round(xs / row_scale / step + 127) - 127) * step  # zero point 127: -1 and 1 are both on the grid
+    expected = (x_q.double() @ s["weight"].double().T) * row_scale.double() * s["weight_scale"].double()
+    torch.testing.assert_close(kernel(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(kernel(x[:2]), kernel(x)[:2])
 
 
 def test_fp16_weight_kernel_is_row_invariant():

@@ -11,14 +11,16 @@ tokens in one call instead of row by row, and speculative output still equals pl
 - Int8WeightOnly (W8A16, int8_wo): int8 per-channel weights, 16-bit activations as TensorRT-LLM's
   W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
   it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
-- Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic int8 activations times int8 weights with
-  int32 accumulation (`torch._int_mm`), then the row scale times the channel scale. Integer sums
-  are exact, so a row's result cannot depend on the rest of the batch.
+- Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic 8-bit activations times int8 weights with
+  int32 accumulation (fbgemm), then the row scale times the channel scale. Integer sums are exact,
+  so a row's result cannot depend on the rest of the batch.
 - Float16Weights (the output layer of quantized engines, as TensorRT-LLM keeps it in 16 bits):
   fbgemm's fp16-weight GEMM, fp32 activations and accumulation (batch-invariant, measured).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -80,30 +82,47 @@ class Int8WeightOnly:
 
 
 class Int8PerToken:
-    """W8A8: per-row dynamic int8 activations x int8 per-channel weights, int32 sums (`torch._int_mm`)."""
+    """W8A8: per-row dynamic int8 activations x int8 per-channel weights, exact int32 sums (fbgemm).
+
+    fbgemm's dynamic int8 linear (`quantized::linear_dynamic`, torch.ao's dynamic quantization)
+    picks ONE activation range for the whole batch, so a row's rounding would depend on the other
+    rows. Here every row is first divided by its own max |x| (s_i), so all values lie in [-1, 1], and
+    a pinning row holding exactly -1 and 1 is appended: the batch range is then always [-1, 1],
+    every row is rounded on the same 8-bit grid (its own range, per token), the integer sums are
+    exact, and the output row times s_i is the per-token W8A8 result whatever else is in the batch.
+    Measured 2-3x faster than `torch._int_mm` or oneDNN's qlinear on SmolLM2's shapes for 1-8 rows
+    (`make bench-kernels`). On CPUs without AVX512-VNNI fbgemm's u8 x s8 pairs may saturate in 16 bits
+    (deterministic and per row: results stay batch-invariant, precision drops).
+    """
 
     batch_invariant = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  smoother: torch.Tensor | None = None):
-        self.q_t = q.t()  # int8 [in, out] view of the [out, in] weight: _int_mm's fastest layout at 1 row (measured)
-        self.scale = scale.float()  # [out]
+        with warnings.catch_warnings():  # torch deprecates quantized tensor creation; fbgemm's prepack still takes one
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(q.contiguous(), scale.double(),
+                                                               torch.zeros(len(scale), dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.pin = torch.zeros(1, q.shape[1])  # the pinning row: range exactly [-1, 1]
+        self.pin[0, 0], self.pin[0, -1] = 1.0, -1.0
         self.bias = bias
-        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]
+        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
+        self.weight_nbytes = q.numel() + scale.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if self.inv_smoother is not None:
             xf = xf * self.inv_smoother
-        x_q, x_scale = quantize_per_token(xf)
-        y = torch._int_mm(x_q, self.q_t).float() * x_scale * self.scale  # [T, out]
-        y = y.to(x.dtype)
+        row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # [T, 1]
+        y = torch.ops.quantized.linear_dynamic(torch.cat([xf / row_scale, self.pin]), self.packed, False)[:-1]
+        y = (y * row_scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     @property
     def nbytes(self) -> int:
         """Bytes one call reads."""
-        return tensor_bytes([self.q_t, self.scale, self.bias, self.inv_smoother])
+        return self.weight_nbytes + tensor_bytes([self.bias, self.inv_smoother])
 
 
 class Float16Weights:
@@ -124,12 +143,6 @@ class Float16Weights:
     def nbytes(self) -> int:
         """Bytes one call reads."""
         return self.weight_nbytes + tensor_bytes([self.bias])
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (q int8 [T, in], scale f32 [T, 1]) with x ~= q * scale."""
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # [T, 1]
-    return torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def tensor_bytes(tensors: list[torch.Tensor | None]) -> int:
