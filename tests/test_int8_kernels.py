@@ -1,4 +1,5 @@
-"""int8 engines run int8 kernels (linear.py): W8A16 for int8_wo, per-token W8A8 for int8_sq.
+"""int8 engines run int8 kernels (linear.py): W8A16 for int8_wo, per-token W8A8 for int8_sq; float16
+engines run fbgemm's fp16-weight GEMM.
 
 The kernels are batch-invariant (a row's result never depends on the other rows), so the model
 verifies a whole draft in one call per linear, and greedy speculative decoding still gives exactly
@@ -21,7 +22,7 @@ MAX_NEW = 12
 SPEC = """\
 name: t
 models:
-  target: {{checkpoint: {target}, dtype: float32, qformat: {qformat}, calib_size: 2}}
+  target: {{checkpoint: {target}, dtype: {dtype}, qformat: {qformat}, calib_size: 2}}
 speculative: {{mode: ngram, max_draft_len: 6, num_draft_tokens: 4}}
 output: {{dir: {tmp}/out, cache_dir: {tmp}/cache}}
 """
@@ -75,16 +76,17 @@ def test_fp16_weight_kernel_is_row_invariant():
 
 @pytest.fixture(scope="module")
 def int8_engines(derived_pair, tmp_path_factory):
-    """{qformat: engine dir} for int8_wo and int8_sq builds of the derived target."""
+    """{name: engine dir}: int8_wo and int8_sq builds (float32) and a float16 build of the derived target."""
     engines = {}
-    for qformat in ("int8_wo", "int8_sq"):
-        tmp = tmp_path_factory.mktemp(qformat)
-        (tmp / "spec.yaml").write_text(SPEC.format(target=derived_pair[0], qformat=qformat, tmp=tmp))
+    for name, qformat, dtype in (("int8_wo", "int8_wo", "float32"), ("int8_sq", "int8_sq", "float32"),
+                                 ("float16", "none", "float16")):
+        tmp = tmp_path_factory.mktemp(name)
+        (tmp / "spec.yaml").write_text(SPEC.format(target=derived_pair[0], qformat=qformat, dtype=dtype, tmp=tmp))
         spec = load_spec(tmp / "spec.yaml")
         convert, build = make_plan(spec, "reference").steps
         convert_checkpoint(convert.params, spec.models.target.checkpoint, tmp / "ckpt")
         build_engine(tmp / "ckpt", tmp / "engine", build.params)
-        engines[qformat] = tmp / "engine"
+        engines[name] = tmp / "engine"
     return engines
 
 
@@ -128,7 +130,13 @@ def generate(engine_dir, requests, proposer=None, stagger=False):
     return tokens, accepted
 
 
-@pytest.mark.parametrize("qformat", ["int8_wo", "int8_sq"])
+def test_float16_engines_run_fp16_weight_kernels(int8_engines):
+    model = LLMEngine.from_engine_dir(int8_engines["float16"]).model
+    assert all(isinstance(model.layers[0][k], Float16Weights) for k in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(model.lm_head_linear, Float16Weights)
+
+
+@pytest.mark.parametrize("qformat", ["int8_wo", "int8_sq", "float16"])
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, derived_pair, qformat, kind):
     engine_dir = int8_engines[qformat]
