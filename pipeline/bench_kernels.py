@@ -8,8 +8,8 @@ the same repeats (the memory floor: weight bytes / bandwidth). For each kernel: 
 batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit), which decides
 whether speculative verification can take all its rows in one call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
-context through the reference model of each engine, batch-invariant math as the exactness tests
-run it: the verify cost of K = 5 against a decode step.
+context through the reference model of each engine (attention per token as the exactness tests run
+it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step.
 
     python -m pipeline.bench_kernels [--reps 7] [--only int8,fp32] [--engines out/default/engines/target ...]
 """
@@ -158,38 +158,45 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 
 
 def bench_model(engine_dirs: list[str], reps: int, context: int = 128, new: int = 6) -> None:
-    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine; prints ms and the ratio."""
+    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine; prints ms and ratios.
+
+    Two attention modes: batch-invariant (every token its own SDPA call, as the exactness tests run)
+    and batched (one masked SDPA per sequence, as serving runs); the linears are the same in both.
+    """
     from pipeline.reference.model import LlamaModel, SequenceInput
 
-    models = {d: LlamaModel.from_engine_dir(d, batch_invariant=True) for d in engine_dirs}
+    models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
     ids = [(7 * i + 3) % 1000 + 10 for i in range(context + new)]
     caches = {}
     for d, model in models.items():
         kv = model.new_kv_cache(-(-(context + new) // 32), 32)
         model([SequenceInput(ids[:context], 0, list(range(kv.num_blocks)))], kv)
         caches[d] = kv
-    times = {(d, n): [] for d in models for n in (1, new)}
+    cases = [(1, True), (new, True), (new, False)]
+    times = {(d, case): [] for d in models for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
     for _ in range(reps):
         bandwidth.append(bandwidth_gbs(buffer))
         for d, model in models.items():
-            for n in (1, new):
+            for n, invariant in cases:
+                model.batch_invariant = invariant
                 seq = SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)),
                                     logits_rows=list(range(n)))
                 start = time.perf_counter()
                 model([seq], caches[d])
-                times[(d, n)].append(time.perf_counter() - start)
+                times[(d, (n, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forward after {context} "
-          f"cached tokens, batch-invariant math, median of {reps}")
-    print(f"| engine | weight MB | floor ms | 1 token | {new} tokens | ratio | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|")
+          f"cached tokens, median of {reps}")
+    print(f"| engine | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, batched "
+          "attention | ratio | roofline share at 1 token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d, model in models.items():
-        one, many = statistics.median(times[(d, 1)]), statistics.median(times[(d, new)])
+        one, *many = (statistics.median(times[(d, case)]) for case in cases)
         floor = model.weight_bytes / bw / 1e9
-        print(f"| {d} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | {many * 1000:.1f} ms | "
-              f"{many / one:.2f}x | {floor / one:.0%} |", flush=True)
+        print(f"| {d} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+              + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
 
 
 def main() -> None:
