@@ -34,23 +34,25 @@ plan: venv
 
 # The trained stand-in pair for the engine benchmark (6-layer/384 target, 1-layer/128 draft; minutes, cached).
 trained-pair: venv
-	$(PY) -m pipeline.trainpair --out models/trained-pair
+	$(PY) -m specfixtures.trainpair --out models/trained-pair
 
 # CPU linear kernels for 1-8 rows on SmolLM2's shapes (speed, batch invariance) and the verify cost of 6 tokens
 # against 1 on the default spec's engine and a float32 one; prints markdown tables (docs/engine.md quotes them).
 bench-kernels: venv models
 	$(PY) -m pipeline engines examples/default.yaml >/dev/null
 	$(PY) -m pipeline engines examples/default.yaml --set name=float32 --set models.target.qformat=none >/dev/null
-	$(PY) -m pipeline.bench_kernels --engines out/float32/engines/target out/default/engines/target $(ARGS)
+	$(PY) -m specapps.bench_kernels --engines out/float32/engines/target out/default/engines/target $(ARGS)
 
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
 bench-engine: venv models trained-pair
 	$(PY) -m pipeline engines examples/default.yaml >/dev/null
-	$(PY) -m pipeline.bench_engine --smollm2-engine out/default/engines/target $(ARGS)
+	$(PY) -m specapps.bench_engine --smollm2-engine out/default/engines/target $(ARGS)
 
-engines: venv
-	PY=$(PY) bash build/engines.sh $(SPEC) $(ARGS)
+# Build (or reuse from the cache) the engines of a spec; with toolchain trtllm on a machine without a GPU this
+# writes out/<name>/trtllm/build_engines.sh for a GPU host (docs/trtllm.md).
+engines: venv models
+	$(PY) -m pipeline engines $(SPEC) $(ARGS)
 
 # Kubernetes: write each deploy/overlays/*/generated/ component from its example spec and render the
 # overlays to out/deploy/<overlay>.yaml (kubectl with kustomize); deploy-check also runs the deploy tests.
@@ -75,7 +77,7 @@ demo: venv models
 
 # Triton vs engine throughput (concurrency 1 and 8) and per-round orchestration overhead -> docs/benchmarks.md.
 bench-serve: venv models
-	$(PY) -m pipeline.bench_serve $(SPEC) $(ARGS)
+	$(PY) -m specapps.bench_serve $(SPEC) $(ARGS)
 
 deploy-check: deploy-render
 	$(PY) -m pytest tests/test_deploy.py $(ARGS)

@@ -9,9 +9,9 @@ the plain greedy tokens of the same engine, at batch 1 and with 8 requests in fl
 import pytest
 import torch
 
-from pipeline.plan import make_plan
+from specbuild.plan import make_plan
 from pipeline.reference.checkpoint import dequantize_linear, load_engine, quantize_linear
-from pipeline.reference.convert import build_engine, convert_checkpoint
+from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine, Request
 from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly

@@ -1,6 +1,6 @@
 """Quality of reference engines against their float32 HF checkpoint, through the engine's own kernels.
 
-    .venv/bin/python build/quant_quality.py models/SmolLM2-135M-Instruct out/<name>/engines/target ...
+    .venv/bin/python build/specbuild/quant_quality.py models/SmolLM2-135M-Instruct out/<name>/engines/target ...
 
 For each engine: the reference model as the engine runs it (int8_wo / int8_sq on their int8 kernels,
 with per-token activation quantization for int8_sq; int4 / fp8 dequantized at load) scores 512
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pipeline.corpus import local_text  # noqa: E402
 from pipeline.reference.engine import LLMEngine, Request, SamplingParams  # noqa: E402
 from pipeline.reference.model import LlamaModel, SequenceInput  # noqa: E402
-from pipeline.toymodels import local_text  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
