@@ -124,6 +124,10 @@ class ServingSpec:
     bls_instances: int = 1
     kv_cache_free_gpu_mem_fraction: KvFractionSpec = field(default_factory=KvFractionSpec)
     enable_kv_cache_reuse: bool = True
+    # Triton's decoupled transaction policy for tensorrt_llm, tensorrt_llm_draft and tensorrt_llm_bls (NVIDIA's
+    # fill_template `decoupled_mode`): true streams (gRPC streams, /generate_stream); false answers unary
+    # ModelInfer (HTTP /infer, tritonclient.infer), as NVIDIA's draft-target recipe configures its stock BLS.
+    decoupled: bool = True
     streaming: bool = True
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -134,11 +138,15 @@ class ServingSpec:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """The GPU the trtllm engines are planned for (memory plan, node affinity)."""
+    """The GPU the trtllm engines are planned for (memory plan, node affinity) and how many one node holds."""
 
     name: str = "NVIDIA-H100-80GB-HBM3"
     memory_gib: float = 80.0
     count: int = 1
+    # GPUs of one node: when tp_size x pp_size exceeds it, `pipeline deploy` writes a LeaderWorkerSet
+    # whose group spans ceil(tp_size x pp_size / gpus_per_node) nodes (pipeline/lws.py).
+    gpus_per_node: int = 8
+    compute_capability: float | None = None  # overrides the lookup of `name` in pipeline/gpus.py (e.g. 9.0)
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,14 @@ class Spec:
     def out_dir(self) -> Path:
         """The folder of this spec's results: output.dir / name."""
         return self.output.dir / self.name
+
+    @property
+    def engine_models(self) -> list[tuple[str, ModelSpec]]:
+        """(role, model) pairs that get an engine: the target, and the draft when the mode has a draft engine."""
+        roles = [("target", self.models.target)]
+        if traits(self.speculative.mode).has_draft_engine:
+            roles.append(("draft", self.models.draft))
+        return roles
 
 
 # ----------------------------------------------------------------------------- loading
@@ -319,11 +335,20 @@ def _kind(value: Any) -> str:
 def check_combinations(spec: Spec) -> None:
     """Reject impossible combinations with the field that must change."""
     s, e = spec.speculative, spec.engine
+    if spec.toolchain == "trtllm":  # the GPU's rules (any spec's trtllm plan checks them too)
+        from pipeline.gpus import check_gpu_rules
+
+        check_gpu_rules(spec)
     if not spec.name.replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"{spec.name!r} has characters other than letters, digits, - and _", "rename it")
+    if spec.serving.streaming and not spec.serving.decoupled:
+        raise SpecError("serving.streaming", "streams only from decoupled models (serving.decoupled: false)",
+                        "set serving.streaming: false, or serving.decoupled: true")
     for key in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size"):
         if getattr(e, key) < 1:
             raise SpecError(f"engine.{key}", "must be at least 1", "set a positive value")
+    if spec.gpu.gpus_per_node < 1:
+        raise SpecError("gpu.gpus_per_node", "must be at least 1", "set the number of GPUs one node holds, e.g. 8")
     if e.max_input_len >= e.max_seq_len:
         raise SpecError("engine.max_input_len", f"{e.max_input_len} leaves no room for output in max_seq_len {e.max_seq_len}",
                         "raise engine.max_seq_len above max_input_len")

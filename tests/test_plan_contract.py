@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specfixtures.models import make_random_eagle, make_random_medusa
+from pipeline.fixtures.models import make_random_eagle, make_random_medusa
 from specbuild.plan import build_key, make_plan
 from pipeline.spec import SpecError, load_spec
 from specbuild.toolchains.trtllm import Command, ContractError, check_command, parse_script, render_script
@@ -69,7 +69,8 @@ def test_every_example_plans_a_script_that_passes_the_contract(example, derived_
             model = getattr(spec.models, label.split("/")[0])
             calibrated = model.qformat in ("fp8", "int8_sq", "int4_awq")
             assert (command.tool == "quantize") == calibrated, (label, command.tool)
-            assert ns.dtype == model.dtype
+            # float32 is built as bfloat16 on the examples' H100 (TensorRT-LLM speculates in FP16/BF16/FP8)
+            assert ns.dtype == ("bfloat16" if model.dtype == "float32" else model.dtype)
             if calibrated:
                 assert ns.qformat == model.qformat and ns.calib_size == model.calib_size
 
@@ -97,8 +98,17 @@ def test_medusa_and_eagle_converters_get_their_heads(derived_pair, heads, tmp_pa
 def test_weight_only_and_kv_cache_flags(derived_pair, heads, tmp_path):
     _spec, script = script_for(REPO / "examples/qformat-weight-only.yaml", derived_pair, heads, tmp_path)
     target, draft = (check_command(cmd) for _k, label, cmd in parse_script(script) if label.endswith("convert"))
-    assert target.use_weight_only and target.weight_only_precision == "int8" and target.int8_kv_cache
+    assert target.use_weight_only and target.weight_only_precision == "int8" and not target.int8_kv_cache
     assert draft.use_weight_only and draft.weight_only_precision == "int4" and not draft.int8_kv_cache
+
+
+def test_int8_kv_cache_builds_without_paged_context_fmha(derived_pair, heads, tmp_path):
+    """TensorRT-LLM refuses paged context FMHA with an INT8 KV cache; allowed only where no KV reuse is lost."""
+    _spec, script = script_for(REPO / "examples/medusa.yaml", derived_pair, heads, tmp_path,
+                               ["models.target.kv_cache_dtype=int8", "serving.enable_kv_cache_reuse=false"])
+    (_k1, _l1, convert), (_k2, _l2, build) = parse_script(script)
+    assert check_command(convert).int8_kv_cache
+    assert "--use_paged_context_fmha" not in build.args
 
 
 def test_qwen2_converts_through_quantize(derived_pair, heads, tmp_path):

@@ -2,7 +2,11 @@
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -11,25 +15,28 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_models, write_repo
 from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
-from pipeline.repo.launch import launch_command, render_launch_script
+from pipeline.repo.launch import ORCHESTRATOR_ENV, render_launch_script, tritonserver_args, write_launch_script
+from pipeline import stack
 from pipeline.repo.validate import RepoError, load_config, validate_repo
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.spec import load_spec
+from specbuild.plan import make_plan
 from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
 
 
 @pytest.fixture(scope="module")
 def reference_repo(tiny_spec_engines, tmp_path_factory):
     """The reference repository assembled into a private folder (tests may tamper with it)."""
-    spec = tiny_spec_engines.spec
-    target, draft = engine_infos(spec, "reference")
-    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path_factory.mktemp("repo") / "model_repo")
-    return spec, repo, target, draft
+    plan = tiny_spec_engines.plan
+    target, draft = engine_infos(plan)
+    repo = write_repo(repo_models(plan, target, draft), tmp_path_factory.mktemp("repo") / "model_repo")
+    return plan.spec, repo, target, draft
 
 
 @pytest.fixture(scope="module")
 def trtllm_repo(tiny_spec_engines):
-    spec = tiny_spec_engines.spec
-    return spec, assemble(spec, "trtllm")
+    plan = make_plan(tiny_spec_engines.spec, "trtllm", inspection=tiny_spec_engines.plan.inspection)
+    return plan.spec, assemble(plan)
 
 
 def parse(path: Path) -> mc.ModelConfig:
@@ -37,9 +44,10 @@ def parse(path: Path) -> mc.ModelConfig:
 
 
 @pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
-def test_every_config_parses_and_validates(toolchain, reference_repo, trtllm_repo):
+def test_every_config_parses_and_validates(toolchain, reference_repo, trtllm_repo, tiny_spec_engines):
     spec, repo = (reference_repo[0], reference_repo[1]) if toolchain == "reference" else trtllm_repo
-    target, draft = engine_infos(spec, toolchain)
+    plan = tiny_spec_engines.plan if toolchain == "reference" else make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
     configs = validate_repo(repo, spec, target, draft)
     assert sorted(configs) == sorted(MODEL_NAMES)
     for name in MODEL_NAMES:
@@ -77,7 +85,7 @@ def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):
         assert params["gpt_model_type"] == "inflight_fused_batching"
         assert params["gpt_model_path"] == str(spec.out_dir / "trtllm" / "engines" / role)
         assert params["enable_kv_cache_reuse"] == "true"
-        assert params["exclude_input_in_output"] == "true"
+        assert params["exclude_input_in_output"] == "false"  # NVIDIA's draft-target recipe value
         fractions.append(float(params["kv_cache_free_gpu_mem_fraction"]))
     assert 0 < sum(fractions) < 1 and fractions[0] > fractions[1]  # the 4-layer target gets more than the 1-layer draft
     bls = {k: v.string_value for k, v in parse(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
@@ -86,18 +94,85 @@ def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):
     assert int(bls["verify_input_len"]) == spec.engine.max_input_len  # TensorRT-LLM's own input limit
 
 
+@pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_serving_decoupled_sets_engines_and_bls(toolchain, decoupled, tiny_spec_engines):
+    """serving.decoupled is NVIDIA's decoupled_mode: the engines and the BLS follow it, in both toolchains."""
+    spec = dataclasses.replace(tiny_spec_engines.spec, serving=dataclasses.replace(
+        tiny_spec_engines.spec.serving, decoupled=decoupled, streaming=decoupled))
+    plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    configs = {m.name: m for m in repo_models(plan, target, draft)}
+    for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"):
+        cfg = text_format.Parse(configs[name].render(), mc.ModelConfig())
+        assert cfg.model_transaction_policy.decoupled is decoupled, name
+
+
 def test_launch_script_matches_launcher_contract(trtllm_repo):
+    """tritonserver gets what launch_triton_server.py --world_size=1 --multi-model composes, and nothing it lacks."""
     spec, repo = trtllm_repo
-    cli = json.loads((Path("pipeline/contracts/trtllm-1.2.1-cli.json")).read_text())["launch_triton_server"]
-    known = {a["name"] for a in cli["args"]}
-    cmd = launch_command(spec, repo)
-    flags = {a.split("=")[0] for a in cmd[2:]}
-    assert flags <= known, flags - known
-    assert "--multi-model" in cmd and "--world_size=1" in cmd  # --multi-model needs world_size 1 when spawning
-    assert "--tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_draft" in cmd
+    facts = json.loads((Path("pipeline/contracts/trtllm-1.2.1-cli.json")).read_text())["launch_triton_server"]
+    command = facts["tritonserver_command"]
+    args = tritonserver_args(spec, repo)
+    assert {a.split("=")[0] for a in args} <= set(command["flags"])
+    assert set(command["always"][:1]) <= set(args)
+    assert "--backend-config=python,shm-region-prefix-name=prefix0_" in args
+    assert set(command["multi_model_flags"][:2]) <= set(args)
+    assert ORCHESTRATOR_ENV == command["multi_model_env"]
     script = render_launch_script(spec, repo)
-    assert "tritonserver:25.12-trtllm-python-py3" in script
+    assert stack.TRITON_IMAGE in script
     assert str(spec.out_dir / "trtllm" / "engines" / "draft" / "config.json") in script
+    assert "pip install" not in script  # offline: nothing is fetched at launch
+
+
+FAKE_TRITONSERVER = """#!/usr/bin/env bash
+printf '%s\\n' "$PWD" "$TRTLLM_ORCHESTRATOR" "$@" > "$FAKE_DIR/args"
+trap 'echo TERM > "$FAKE_DIR/signal"; exit 7' TERM
+touch "$FAKE_DIR/started"
+while :; do sleep 0.1; done
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, deadline_s: float = 60) -> None:
+    end = time.monotonic() + deadline_s
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_launch_script_stays_in_foreground_and_forwards_sigterm(trtllm_repo, tmp_path):
+    """The generated script, run as is with a fake tritonserver: it waits on the server and passes SIGTERM on."""
+    spec, repo = trtllm_repo
+    for role in ("target", "draft"):  # the engines the build script would have linked
+        engine = spec.out_dir / "trtllm" / "engines" / role
+        engine.mkdir(parents=True, exist_ok=True)
+        (engine / "config.json").write_text("{}")
+    fake = tmp_path / "tritonserver"
+    fake.write_text(FAKE_TRITONSERVER)
+    fake.chmod(0o755)
+    env = {**os.environ, "TRITONSERVER": str(fake), "FAKE_DIR": str(tmp_path), "EXIT_TIMEOUT_SECS": "45"}
+    proc = subprocess.Popen(["bash", str(write_launch_script(spec, repo))], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(tmp_path / "started", proc)
+        assert proc.poll() is None  # still in the foreground while tritonserver runs
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 7  # tritonserver's own exit status
+    finally:
+        proc.kill()
+    assert (tmp_path / "signal").read_text().strip() == "TERM"
+    cwd, orchestrator, *args = (tmp_path / "args").read_text().splitlines()
+    assert cwd == str(Path.cwd()) and orchestrator == "1"  # the project root: the python models import it
+    assert f"--model-repository={repo}" in args and "--exit-timeout-secs=45" in args
+
+
+def test_launch_script_refuses_missing_engines(trtllm_repo, tmp_path):
+    spec, repo = trtllm_repo
+    script = write_launch_script(spec, repo)
+    shutil.rmtree(spec.out_dir / "trtllm" / "engines", ignore_errors=True)
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                            env={**os.environ, "TRITONSERVER": "/bin/false"}, timeout=60)
+    assert result.returncode == 1 and "run the build script first" in result.stderr
 
 
 def _rewrite(path: Path, old: str, new: str) -> None:
@@ -143,9 +218,10 @@ def test_engine_cross_checks(reference_repo):
 def test_draft_logits_need_gathered_draft_logits(tiny_spec_engines, tmp_path):
     spec = load_spec(write_spec(tmp_path, tiny_spec_engines.target_dir, tiny_spec_engines.draft_dir,
                                 **{"speculative.use_draft_logits": True}))
-    target, draft = engine_infos(dataclasses.replace(spec, output=tiny_spec_engines.spec.output), "reference")
+    plan = make_plan(dataclasses.replace(spec, output=tiny_spec_engines.spec.output), "reference")
+    target, draft = engine_infos(plan)
     assert not draft.gather_generation_logits  # built without use_draft_logits
-    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path / "model_repo")
+    repo = write_repo(repo_models(plan, target, draft), tmp_path / "model_repo")
     with pytest.raises(RepoError, match="does not gather generation logits"):
         validate_repo(repo, spec, target, draft)
     ok = dataclasses.replace(draft, gather_generation_logits=True)
@@ -163,3 +239,12 @@ def test_tokenizer_must_be_the_targets(reference_repo, tmp_path):
 def test_engine_info_reads_engine_config(tiny_spec_engines):
     info = EngineInfo.from_engine_dir(tiny_spec_engines.spec.out_dir / "engines" / "target")
     assert (info.max_batch_size, info.max_draft_len, info.vocab_size) == (8, MAX_DRAFT_LEN, 512)
+
+
+def test_planned_limits_are_what_the_build_writes(tiny_spec_engines):
+    """EngineLimits is one type: the limits the repository plans for a GPU host's engine equal those a built
+    engine's config.json holds (read by the repository and the reference engine alike)."""
+    plan = tiny_spec_engines.plan
+    built = EngineInfo.from_engine_dir(plan.spec.out_dir / "engines" / "target")
+    assert EngineInfo.planned(plan, "target", built.path) == built
+    assert built.max_draft_len == MAX_DRAFT_LEN and built.tokens_per_block == TOKENS_PER_BLOCK

@@ -12,7 +12,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from specfixtures.models import make_random_medusa
+from pipeline.fixtures.models import make_random_medusa
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
 from tests.triton_fixtures import serving, write_spec
 
@@ -32,8 +32,7 @@ def medusa_server(tmp_path_factory, derived_pair):
     spec = load_spec(write_spec(folder, target, target, models={"target": {"checkpoint": str(target), "dtype": "float32"}},
                                 speculative={"mode": "medusa", "max_draft_len": 8, "num_draft_tokens": 5,
                                              "medusa": {"checkpoint": str(heads), "choices": CHOICES}}))
-    run_reference(spec)
-    with serving(spec) as (server, _repo):
+    with serving(run_reference(spec)) as (server, _repo):
         yield server, target
 
 
@@ -65,7 +64,8 @@ def test_medusa_engine_speculates_and_matches_greedy(medusa_server):
         "input_lengths": np.array([[len(prompt_ids)]], dtype=np.int32),
         "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
         "end_id": np.array([[tok.eos_token_id]], dtype=np.int32),
-        "return_perf_metrics": np.array([[True]], dtype=bool)}])
+        "return_perf_metrics": np.array([[True]], dtype=bool),
+        "exclude_input_in_output": np.array([[True]], dtype=bool)}])
     [ids] = [r.as_numpy("output_ids") for r in results if r.as_numpy("output_ids") is not None]
     assert ids.reshape(-1).tolist() == expected
     drafted, accepted = int(final_value(results, "total_draft_tokens")), int(final_value(results, "total_accepted_draft_tokens"))

@@ -44,6 +44,7 @@ def test_valid_spec_loads_typed(spec_file):
     ("engine.max_input_len=4096", "engine.max_input_len", "max_seq_len"),
     ("models.draft=null", "models.draft", "add"),
     ("serving.kv_cache_free_gpu_mem_fraction.target=1.5", "serving.kv_cache_free_gpu_mem_fraction.target", "0.4"),
+    ("serving.decoupled=false", "serving.streaming", "serving.streaming: false"),
 ])
 def test_bad_spec_names_field_and_fix(spec_file, override, path, fix_word):
     with pytest.raises(SpecError) as err:

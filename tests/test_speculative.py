@@ -18,7 +18,7 @@ from pipeline.reference.metrics import aggregate
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer
-from specfixtures.toymodels import make_derived_pair
+from pipeline.fixtures.toymodels import make_derived_pair
 
 MAX_NEW = 12
 MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import stack
-from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
+from pipeline.checkpoints import Report, inspect_spec
+from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
-from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
+from pipeline.gpus import engine_dtype
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
@@ -54,6 +56,7 @@ class Plan:
 
     spec: Spec
     toolchain: str
+    inspection: Report  # inspect_spec's result: checkpoint facts, head shapes, the memory plan (read once)
     steps: list[Step] = field(default_factory=list)
 
     def engine_step(self, role: str) -> Step:
@@ -157,10 +160,10 @@ def _hash(obj) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
+def convert_params(spec: Spec, role: str, model: ModelSpec, inspection: Report) -> dict:
     """What the convert/quantize step of `role` depends on in the spec (and the heads' shapes)."""
     s, e = spec.speculative, spec.engine
-    info = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
+    info = inspection.models[role]
     params = {
         "architecture": info.architecture,
         "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
@@ -172,51 +175,63 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
         params["calib_size"] = model.calib_size
     heads_field = traits(s.mode).heads_field if role == "target" else None
     if heads_field == "medusa":
-        heads, _warnings = check_medusa(spec, info)
-        params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
+        params["medusa"] = {"max_draft_len": s.max_draft_len, **inspection.heads}
     if heads_field == "eagle":
-        net, _warnings = check_eagle(spec, info)
+        net = inspection.heads
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
                            "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
                            "net": net}
     return params
 
 
-def build_params(spec: Spec, role: str) -> dict:
-    """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
+def decoding_mode(spec: Spec, role: str) -> str | None:
+    """The engine's speculative_decoding_mode: the draft is a plain engine (the BLS asks it for K tokens);
+    draft_tokens_external: tokens come from outside the target engine; medusa / eagle: its heads draft."""
+    return None if role == "draft" else traits(spec.speculative.mode).engine_decoding_mode
+
+
+def engine_limits(spec: Spec, role: str) -> EngineLimits:
+    """The limits the engine of `role` is built with."""
     s, e = spec.speculative, spec.engine
-    # the draft is a plain engine (the BLS asks it for K tokens); draft_tokens_external: tokens come from
-    # outside the target engine; medusa / eagle: the target engine drafts with its heads
-    mode = None if role == "draft" else traits(s.mode).engine_decoding_mode
-    draft_len = 0 if mode is None else s.max_draft_len
+    return EngineLimits(max_batch_size=e.max_batch_size, max_input_len=e.max_input_len, max_seq_len=e.max_seq_len,
+                        max_num_tokens=e.max_num_tokens,
+                        max_draft_len=0 if decoding_mode(spec, role) is None else s.max_draft_len,
+                        # lossless acceptance compares the draft's q with the target's p: both engines return logits
+                        gather_generation_logits=bool(s.use_draft_logits))
+
+
+def build_params(spec: Spec, role: str) -> dict:
+    """What the build step of `role` depends on (hashed into its key): engine limits and speculative flags."""
+    limits = engine_limits(spec, role)
     return {
-        "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
-        "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
-        # lossless acceptance compares the draft's q with the target's p: both engines return logits
-        "gather_generation_logits": bool(s.use_draft_logits),
-        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": 32,
+        "max_batch_size": limits.max_batch_size, "max_input_len": limits.max_input_len,
+        "max_seq_len": limits.max_seq_len, "max_num_tokens": limits.max_num_tokens,
+        "max_draft_len": limits.max_draft_len, "speculative_decoding_mode": decoding_mode(spec, role),
+        "gather_generation_logits": limits.gather_generation_logits,
+        # paged context FMHA is what KV-cache reuse needs; TensorRT-LLM refuses it with an INT8 KV cache
+        "use_paged_context_fmha": dict(spec.engine_models)[role].kv_cache_dtype != "int8",
+        "paged_kv_cache": True, "tokens_per_block": limits.tokens_per_block,
     }
 
 
-def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
-    """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
-    roles = [("target", spec.models.target)]
-    if traits(spec.speculative.mode).has_draft_engine:
-        roles.append(("draft", spec.models.draft))
-    return roles
+def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None,
+              inspection: Report | None = None) -> Plan:
+    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed.
 
-
-def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
-    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed."""
+    The plan carries the inspection (inspect_spec: incompatible checkpoints and impossible memory plans fail
+    here, before any work); pass `inspection` to plan the same spec for another toolchain without re-reading.
+    """
     toolchain = toolchain or resolve_toolchain(spec)[0]
-    check_pickle_policy(spec)
+    inspection = inspection or inspect_spec(spec)
     own_digests = digests is None
     if own_digests:
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
-    plan = Plan(spec=spec, toolchain=toolchain)
-    for role, model in model_roles(spec):
-        params = convert_params(spec, role, model)
+    plan = Plan(spec=spec, toolchain=toolchain, inspection=inspection)
+    for role, model in spec.engine_models:
+        params = convert_params(spec, role, model, inspection)
+        if toolchain_traits(toolchain).gpu:  # TensorRT-LLM builds no float32 engines (pipeline/gpus.py)
+            params["dtype"] = engine_dtype(spec, model)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
             inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)

@@ -1,6 +1,6 @@
 """The reference model's linear-layer kernels on CPU, one per weight format, chosen by measurement.
 
-`make bench-kernels` (specapps/bench_kernels.py) times the candidates on SmolLM2's shapes for 1-8
+`make bench-kernels` (pipeline/apps/bench_kernels.py) times the candidates on SmolLM2's shapes for 1-8
 rows and checks which are batch-invariant; docs/engine.md has the numbers. Each kernel maps
 x [T, in] (the model's compute dtype) to [T, out] in the same dtype and says whether a row's result
 is bit-for-bit independent of the other rows (`batch_invariant`): the model then verifies K + 1

@@ -1,8 +1,9 @@
 """`ModelClient` over Triton BLS calls: how tensorrt_llm_bls talks to tensorrt_llm / tensorrt_llm_draft.
 
-The target and draft models are decoupled, so every call is `async_exec(decoupled=True)`; in
+With decoupled target and draft models (serving.decoupled) every call is `async_exec(decoupled=True)`; in
 Triton 2.51 that returns a plain (blocking) iterator, which is drained on a thread pool so the
-event loop keeps serving the other requests.
+event loop keeps serving the other requests. With non-decoupled models every call is one unary
+`async_exec()` with one response, as NVIDIA's stock BLS calls them, and a "stream" is that one response.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _DONE = object()
 class TritonModelClient:
     """Calls the tensorrt_llm-interface models of this server (see the module docstring)."""
 
-    def __init__(self, max_concurrent_calls: int = 256):
+    def __init__(self, decoupled: bool = True, max_concurrent_calls: int = 256):
+        self.decoupled = decoupled
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="bls-call")
 
     def close(self) -> None:
@@ -34,6 +36,12 @@ class TritonModelClient:
     async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> AsyncIterator:
         request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
+        if not self.decoupled:
+            response = await request.async_exec()
+            if response.has_error():
+                raise ModelError(f"{model}: {response.error().message()}")
+            yield response
+            return
         iterator = await request.async_exec(decoupled=True)
         loop = asyncio.get_running_loop()
         while True:
@@ -66,7 +74,12 @@ class TritonModelClient:
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
                      seed: int | None) -> AsyncIterator[list[int]]:
-        """One streaming call: yields each response's new tokens."""
+        """One streaming call: yields each response's new tokens (all of them at once from a non-decoupled model)."""
+        if not self.decoupled:
+            out = await self.generate(model, prompt_ids, max_new, req, seed)
+            if out.tokens:
+                yield out.tokens
+            return
         inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, False)
         async for response in self._responses(model, inputs, ["output_ids", "sequence_length"]):
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")

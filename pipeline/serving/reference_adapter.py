@@ -9,8 +9,11 @@ The other direction, the arrays a caller (the BLS) sends, is engine_io.py (numpy
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -23,8 +26,10 @@ from pipeline.serving.params import ENGINE_SAMPLING_NAMES, read_sampling, scalar
 from pipeline.serving.text import from_word_list_format
 
 # Inputs of the tensorrtllm backend the reference engine does not implement: sending one is an error.
+# (decoder_input_ids / decoder_input_lengths are not among them: NVIDIA's backend reads them for encoder-decoder
+# engines only and ignores them for decoder-only ones, and NVIDIA's preprocessing always sends them.)
 UNSUPPORTED_ENGINE_INPUTS = (
-    "encoder_input_features", "encoder_output_lengths", "decoder_input_ids", "decoder_input_lengths",
+    "encoder_input_features", "encoder_output_lengths",
     "embedding_bias", "prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size",
     "cross_attention_mask", "mrope_rotary_cos_sin", "mrope_position_deltas", "lora_task_id", "lora_weights",
     "lora_config", "context_phase_params", "skip_cross_attn_blocks", "guided_decoding_guide_type",
@@ -68,6 +73,9 @@ def _words(inputs: dict[str, np.ndarray], name: str) -> list[list[int]]:
 def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input_default: bool,
                    vocab_size: int) -> tuple[Request, ResponseOptions]:
     """Validate tensorrt_llm inputs and build the engine request; raises RequestError."""
+    # An empty optional tensor is an absent one, as in NVIDIA's backend (its preprocessing sends an empty
+    # embedding_bias, and empty bad/stop word lists, when the request has none).
+    inputs = {name: array for name, array in inputs.items() if array.size}
     for name in UNSUPPORTED_ENGINE_INPUTS:
         if name in inputs:
             raise RequestError(name, "is not supported by the reference engine", f"remove {name} from the request")
@@ -139,8 +147,6 @@ class MeteredEngine(LLMEngine):
 
 def parse_choices(text: str) -> list[tuple[int, ...]]:
     """TensorRT-LLM's brace format for medusa_choices / eagle_choices: "{0}, {0, 0}, {1}" -> [(0,), (0, 0), (1,)]."""
-    import re
-
     choices = [tuple(int(i) for i in body.replace(" ", "").split(",") if i) for body in re.findall(r"\{([^{}]*)\}", text)]
     if not choices or any(not c for c in choices):
         raise ValueError(f"tree choices {text!r}: write them as brace lists, e.g. \"{{0}}, {{0, 0}}, {{1}}\"")
@@ -157,9 +163,6 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
     `eagle_dynamic_tree_top_k` when that is set.
     """
-    import json
-    from pathlib import Path
-
     parameters = parameters or {}
     max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")

@@ -2,7 +2,7 @@
 
 Each plan step becomes one command (the architecture's convert_checkpoint.py, the Medusa / EAGLE
 converter, or quantize.py for calibrated qformats; then trtllm-build). The script runs as is inside
-nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3: `set -euo pipefail`, every path a variable
+nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3: `set -euo pipefail`, every path a variable
 that the environment may override, a version check, and the same content-addressed cache as the
 reference toolchain (a step whose key folder exists is skipped; a step writes KEY.tmp and renames).
 
@@ -26,10 +26,10 @@ from pathlib import Path
 import pipeline
 from pipeline import stack
 from pipeline.modes import traits
-from pipeline.checkpoints import inspect_spec
+from pipeline.gpus import check_gpu_rules, dtype_notices
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
 from specbuild.execute import write_if_changed
-from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
+from specbuild.plan import Plan, Step, resolve_toolchain
 
 CONTRACT = Path(pipeline.__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
 # Script paths under $TRTLLM_EXAMPLES (TensorRT-LLM 1.2.1 layout), by contract tool name.
@@ -66,7 +66,10 @@ def step_command(plan: Plan, step: Step) -> Command:
     out = f"$CACHE_DIR/{step.key}.tmp"
     if step.kind == "build":
         upstream = next(s for s in plan.steps if s.key == step.upstream)
-        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, upstream.params["tp_size"] * upstream.params["pp_size"])
+        ranks = upstream.params["tp_size"] * upstream.params["pp_size"]
+        # trtllm-build builds every rank on one host, rank r on GPU r % workers (build.py parallel_build):
+        # an engine spanning nodes builds on one node's GPUs.
+        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, min(ranks, plan.spec.gpu.gpus_per_node))
     return convert_command(plan.spec, step, out)
 
 
@@ -124,14 +127,15 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
     return Command("convert_checkpoint_llama", tuple(common + workers + weight_only + kv_flag))
 
 
-def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Command:
-    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per rank."""
+def build_command(step: Step, checkpoint: str, out: str, workers: int = 1) -> Command:
+    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per GPU."""
     p = step.params
     args = ["--checkpoint_dir", checkpoint, "--output_dir", out,
             "--max_batch_size", str(p["max_batch_size"]), "--max_input_len", str(p["max_input_len"]),
             "--max_seq_len", str(p["max_seq_len"]), "--max_num_tokens", str(p["max_num_tokens"]),
-            "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--tokens_per_block", str(p["tokens_per_block"]),
-            "--use_paged_context_fmha", "enable"]  # KV reuse (needed by draft-target) requires paged context FMHA
+            "--gemm_plugin", "auto", "--kv_cache_type", "paged", "--tokens_per_block", str(p["tokens_per_block"])]
+    if p["use_paged_context_fmha"]:  # KV reuse (needed by draft-target) requires paged context FMHA
+        args += ["--use_paged_context_fmha", "enable"]
     mode = p["speculative_decoding_mode"]
     if mode is not None:
         args += ["--speculative_decoding_mode", mode]
@@ -139,13 +143,14 @@ def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Comm
         args += ["--max_draft_len", str(p["max_draft_len"])]  # medusa/eagle: the converter wrote it into the checkpoint
     if p["gather_generation_logits"]:
         args += ["--gather_generation_logits"]
-    if ranks > 1:
-        args += ["--workers", str(ranks)]
+    if workers > 1:
+        args += ["--workers", str(workers)]
     return Command("trtllm-build", tuple(args))
 
 
 def check_plan_rules(spec: Spec) -> None:
     """Rules of the trtllm toolchain that the reference toolchain does not have."""
+    check_gpu_rules(spec)
     e = spec.speculative.eagle
     if e is not None:
         depth = max(len(c) for c in e.choices)
@@ -266,6 +271,7 @@ def render_script(plan: Plan) -> str:
         f"# Run on a GPU host inside {stack.TRITON_IMAGE}, e.g.",
         f"#   docker run --rm --gpus all -v /models:/models -v $PWD:$PWD -w $PWD {stack.TRITON_IMAGE} bash build_engines.sh",
         "# Every path below may be overridden from the environment (e.g. TARGET_MODEL_DIR=/models/x bash build_engines.sh).",
+        *(f"# {notice}" for notice in dtype_notices(spec)),
         "set -euo pipefail",
         "",
     ]
@@ -336,10 +342,9 @@ def build_script(plan: Plan) -> str:
     return render_script(plan)
 
 
-def build(spec: Spec) -> int:
+def build(plan: Plan) -> int:
     """The `engines` command: write the GPU script; run it here only when TensorRT-LLM and a GPU are present."""
-    inspect_spec(spec)
-    plan = make_plan(spec, "trtllm")
+    spec = plan.spec
     script = spec.out_dir / "trtllm" / "build_engines.sh"
     write_if_changed(script, render_script(plan))
     script.chmod(0o755)

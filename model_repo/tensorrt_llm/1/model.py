@@ -1,6 +1,9 @@
 """Triton model `tensorrt_llm` / `tensorrt_llm_draft` (reference toolchain): the tensorrtllm backend's
-interface over the reference engine. Decoupled: an EngineRunner thread steps the engine, so every
-concurrent request (plain, or verifying external draft tokens) is batched in flight.
+interface over the reference engine. An EngineRunner thread steps the engine, so every concurrent request
+(plain, or verifying external draft tokens) is batched in flight. Decoupled or not (serving.decoupled), each
+request is handed to the engine at once and answered through its response sender: streamed when decoupled,
+one response otherwise. As in NVIDIA's C++ backend, a request with `stop` true cancels the running requests
+that carry its Triton request id and gets one empty response, and a non-decoupled model refuses `streaming`.
 """
 
 import queue
@@ -23,7 +26,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params = triton_io.model_parameters(args)
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
-        self.exclude_input = params.get("exclude_input_in_output", "true").lower() == "true"
+        self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
+        self.by_triton_id: dict[str, set[str]] = {}  # Triton request id -> running engine request ids (for `stop`)
+        self.ids_lock = threading.Lock()
         self.engine = load_serving_engine(params["gpt_model_path"], params)
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
@@ -35,7 +41,13 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 inputs = triton_io.request_inputs(request, self.input_names)
+                if "stop" in inputs and bool(inputs["stop"].reshape(-1)[0]):
+                    self._stop(request, sender)
+                    continue
                 engine_req, options = engine_request(inputs, uuid.uuid4().hex, self.exclude_input, self.vocab_size)
+                if options.streaming and not self.decoupled:
+                    raise RequestError("streaming", "is only supported by a decoupled model (serving.decoupled: false here)",
+                                       "send streaming false, or set serving.decoupled: true")
                 outputs = self.runner.submit(engine_req)
             except EngineInputError as exc:
                 triton_io.send_final_error(sender, RequestError(exc.field, "invalid", exc.fix))
@@ -44,9 +56,23 @@ class TritonPythonModel:
                 triton_io.send_final_error(sender, exc)
                 continue
             builder = ResponseBuilder(engine_req.prompt_ids, options)
+            with self.ids_lock:
+                self.by_triton_id.setdefault(request.request_id(), set()).add(engine_req.request_id)
             threading.Thread(target=self._respond, args=(request, sender, engine_req.request_id, outputs, builder),
                              daemon=True).start()
         return None
+
+    def _stop(self, request, sender):
+        """Cancel the running requests with this request's Triton id; answer with one empty response."""
+        if not request.request_id():
+            triton_io.send_final_error(sender, RequestError("stop", "needs the request id of the request to stop",
+                                                            "send the stop request with the same request id"))
+            return
+        with self.ids_lock:
+            running = list(self.by_triton_id.get(request.request_id(), ()))
+        for engine_id in running:
+            self.runner.cancel(engine_id)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _respond(self, request, sender, request_id, outputs, builder):
         """Forward the engine's outputs of one request to its client until it finishes."""
@@ -71,6 +97,12 @@ class TritonPythonModel:
                     return
         except Exception as exc:
             triton_io.send_final_error(sender, exc)
+        finally:
+            with self.ids_lock:
+                running = self.by_triton_id.get(request.request_id(), set())
+                running.discard(request_id)
+                if not running:
+                    self.by_triton_id.pop(request.request_id(), None)
 
     def finalize(self):
         self.runner.close()

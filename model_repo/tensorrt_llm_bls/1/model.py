@@ -1,4 +1,7 @@
-"""Triton model `tensorrt_llm_bls`: decoupled, async speculative orchestrator (NVIDIA's BLS interface).
+"""Triton model `tensorrt_llm_bls`: async speculative orchestrator (NVIDIA's BLS interface).
+
+Decoupled (serving.decoupled) it streams; otherwise every request gets one response (unary ModelInfer)
+and calls the engines unary too, as NVIDIA's stock BLS does with decoupled_mode False.
 
 Every request runs as its own coroutine (pipeline.serving.bls.SpeculativeDecoder), so many
 requests stream concurrently while the target and draft models batch them in flight.
@@ -11,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.serving import triton_io
 from pipeline.serving.bls import SpeculativeDecoder, TextResponder
 from pipeline.serving.bls_calls import TritonModelClient
+from pipeline.serving.errors import RequestError
 from pipeline.serving.metrics import SpecMetrics
 from pipeline.serving.params import BlsSettings, parse_text_request
 from pipeline.serving.text import load_tokenizer
@@ -21,7 +25,8 @@ class TritonPythonModel:
         self.settings = BlsSettings.from_parameters(triton_io.model_parameters(args))
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.tokenizer = load_tokenizer(self.settings.tokenizer_dir)
-        self.client = TritonModelClient()
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
+        self.client = TritonModelClient(self.decoupled)  # one serving.decoupled for the BLS and the engines
         self.metrics = SpecMetrics(args["model_name"], self.settings.max_draft_len)
         self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn,
                                           pb_utils.Logger.log_info)
@@ -35,6 +40,9 @@ class TritonPythonModel:
         try:
             inputs = triton_io.request_inputs(request, self.input_names)
             req = parse_text_request(inputs, self.settings, self.tokenizer)
+            if req.stream and not self.decoupled:
+                raise RequestError("stream", "needs the decoupled BLS (serving.decoupled: false here)",
+                                   "send stream false, or set serving.decoupled: true")
             prompt_text = inputs["text_input"].reshape(-1)[0].decode("utf-8")
             responder = TextResponder(req, prompt_text, self.tokenizer, self.settings.skip_special_tokens)
             async for chunk in self.decoder.generate(req, request.is_cancelled):

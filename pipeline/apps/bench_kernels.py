@@ -11,7 +11,7 @@ Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on 
 context through the reference model of each engine (attention per token as the exactness tests run
 it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step.
 
-    python -m specapps.bench_kernels [--reps 7] [--only int8,fp32] [--engines out/default/engines/target ...]
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--engines out/default/engines/target ...]
 """
 
 from __future__ import annotations
