@@ -136,17 +136,24 @@ def test_float16_engines_run_fp16_weight_kernels(int8_engines):
     assert isinstance(model.lm_head_linear, Float16Weights)
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(int8_engines):
+    """{engine name: {request_id: plain greedy tokens}}, each request alone (batch 1)."""
+    return {name: {f"r{i}": generate(engine_dir, [(i, p)])[0][f"r{i}"] for i, p in enumerate(prompts())}
+            for name, engine_dir in int8_engines.items()}
+
+
 @pytest.mark.parametrize("qformat", ["int8_wo", "int8_sq", "float16"])
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
-def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, derived_pair, qformat, kind):
+def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, plain_tokens, derived_pair, qformat, kind):
     engine_dir = int8_engines[qformat]
     cases = list(enumerate(prompts()))
-    plain = {f"r{i}": generate(engine_dir, [(i, p)])[0][f"r{i}"] for i, p in cases}  # each request alone
+    plain = plain_tokens[qformat]
 
     def proposer():
         return NgramProposer(1, 3) if kind == "ngram" else DraftModelProposer.from_hf(derived_pair[1], max_seq_len=256)
 
-    alone, accepted_alone = generate(engine_dir, cases[:1], proposer())
+    alone, _accepted = generate(engine_dir, cases[:1], proposer())
     assert alone["r0"] == plain["r0"]
     batched, accepted = generate(engine_dir, cases, proposer(), stagger=True)  # 8 in flight, joining step by step
     assert batched == plain
