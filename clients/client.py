@@ -75,6 +75,11 @@ class GenerateRequest:
     end_id: int | None = None
     pad_id: int | None = None
     request_id: str = ""
+    # The target model's log-probability of each generated token, its raw logits for each generated
+    # token, and its raw logits for each prompt position (NVIDIA's return_* inputs).
+    return_log_probs: bool = False
+    return_generation_logits: bool = False
+    return_context_logits: bool = False
 
     def wire_fields(self, stream: bool) -> dict[str, object]:
         """Ensemble input tensor name -> value, for the fields that are set."""
@@ -82,11 +87,15 @@ class GenerateRequest:
                   "exclude_input_in_output": True, "return_num_input_tokens": True,
                   "return_num_output_tokens": True, "num_draft_tokens": self.num_draft_tokens,
                   "use_draft_logits": self.use_draft_logits, "end_id": self.end_id, "pad_id": self.pad_id,
-                  "stop_words": self.stop_words or None, "bad_words": self.bad_words or None}
+                  "stop_words": self.stop_words or None, "bad_words": self.bad_words or None,
+                  **{name: True for name in ("return_log_probs", "return_generation_logits", "return_context_logits")
+                     if getattr(self, name)}}
         fields.update(vars(self.sampling))
         return {name: value for name, value in fields.items() if value is not None}
 
 
+# Logits responses (vocab floats per token) outgrow gRPC's default 4 MB message limit.
+GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 # Inputs a model may lack without harm: the client then does without them.
 OPTIONAL_EXTRAS = {"exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens", "stream"}
 # Older NVIDIA configs call the seed input random_seed.
@@ -95,13 +104,23 @@ ALIASES = {"seed": ("seed", "random_seed")}
 
 @dataclass
 class Delta:
-    """One server response: newly generated text and the statistics it carries (the speculative BLS
-    reports them, cumulative, on the final response only)."""
+    """One server response: newly generated text and the statistics it carries (acceptance counters on
+    the final response; token counts so far on every response), plus the token ids behind the text and
+    the target's log-probs / logits when the request asked for them."""
 
     text: str
     stats: dict[str, float]  # subset of STAT_OUTPUTS present in this response
     time_s: float  # seconds since the request was sent
     request_id: str = ""  # the id the server echoed
+    token_ids: list[int] = field(default_factory=list)  # output_ids (empty when the server sends none)
+    log_probs: list[float] | None = None  # output_log_probs: one per token id
+    generation_logits: np.ndarray | None = None  # [len(token_ids), vocab]
+    context_logits: np.ndarray | None = None  # [prompt tokens, vocab], on one response
+
+    @property
+    def carries_data(self) -> bool:
+        """Whether the response holds anything (the empty final response does not)."""
+        return bool(self.text or self.stats or self.token_ids or self.context_logits is not None)
 
 
 @dataclass
@@ -215,7 +234,23 @@ def _grpc_delta(response: service_pb2.ModelInferResponse, start: float) -> tuple
         array = result.as_numpy(name)
         if array is not None:
             stats[name] = float(np.asarray(array).reshape(-1)[0])
-    return Delta(text, stats, time.perf_counter() - start, response.id), final
+    return _with_tokens(Delta(text, stats, time.perf_counter() - start, response.id), result.as_numpy), final
+
+
+def _with_tokens(delta: Delta, get) -> Delta:
+    """Fill a Delta's token ids, log-probs and logits from a response's arrays (`get(name)` -> array or None)."""
+    ids, log_probs, gen, context = (get(n) for n in ("output_ids", "output_log_probs", "generation_logits", "context_logits"))
+    if ids is not None:
+        delta.token_ids = np.asarray(ids).reshape(-1).astype(int).tolist()
+    if log_probs is not None:
+        delta.log_probs = np.asarray(log_probs, dtype=np.float64).reshape(-1).tolist()
+    if gen is not None:
+        gen = np.asarray(gen, dtype=np.float32)
+        delta.generation_logits = gen.reshape(-1, gen.shape[-1])  # [n, vocab]
+    if context is not None:
+        context = np.asarray(context, dtype=np.float32)
+        delta.context_logits = context.reshape(-1, context.shape[-1])  # [prompt tokens, vocab]
+    return delta
 
 
 def _grpc_error(error: grpc.RpcError, url: str, model: str) -> ClientError:
@@ -256,10 +291,11 @@ def _parse_metadata(model: str, metadata: dict) -> ModelInputs:
 # ---------------------------------------------------------------- HTTP encoding
 
 def _http_delta(payload: dict, start: float) -> Delta:
-    stats = {name: float(payload[name]) for name in STAT_OUTPUTS if name in payload}
+    stats = {name: float(np.asarray(payload[name]).reshape(-1)[0]) for name in STAT_OUTPUTS if name in payload}
     text = payload.get("text_output", "")
     text = "".join(text) if isinstance(text, list) else text
-    return Delta(text, stats, time.perf_counter() - start, payload.get("id", ""))
+    delta = Delta(text, stats, time.perf_counter() - start, payload.get("id", ""))
+    return _with_tokens(delta, lambda name: None if name not in payload else np.asarray(payload[name]))
 
 
 def _http_error(response: httpx.Response, url: str, model: str) -> ClientError:
@@ -300,7 +336,7 @@ def _stream_response(message: service_pb2.ModelStreamInferResponse, model: str, 
     if message.error_message:
         raise _stream_error(message.error_message, model)
     delta, final = _grpc_delta(message.infer_response, start)
-    return (delta if delta.text or delta.stats else None), final
+    return (delta if delta.carries_data else None), final
 
 
 # ---------------------------------------------------------------- clients
@@ -314,7 +350,7 @@ class TritonClient:
         self.url = url or DEFAULT_URLS[protocol]
         self._inputs: ModelInputs | None = None
         if protocol == "grpc":
-            self._channel = grpc.insecure_channel(self.url)
+            self._channel = grpc.insecure_channel(self.url, options=GRPC_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         elif protocol == "http":
             self._http = httpx.Client(base_url=f"http://{self.url}", timeout=timeout_s)
@@ -444,7 +480,7 @@ class AsyncTritonClient:
     @property
     def _stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.url)
+            self._channel = grpc.aio.insecure_channel(self.url, options=GRPC_OPTIONS)
             self._grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._grpc_stub
 

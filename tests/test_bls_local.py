@@ -94,3 +94,43 @@ def test_draft_failure_falls_back(engines):
     plain, _ = run(decoder, tokenizer, settings, "hello world", 12, 0)
     got, stats = run(decoder, tokenizer, settings, "hello world", 12, 3)
     assert got == plain and stats.fell_back and sink.fallbacks == 1 and "draft model failed" in warnings[0]
+
+
+def run_chunks(decoder, tokenizer, settings, text, max_tokens, k, **flags):
+    inputs = {"text_input": np.array([[text.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+              "num_draft_tokens": np.array([[k]], dtype=np.int32),
+              **{name: np.array([[True]]) for name, on in flags.items() if on}}
+    req = parse_text_request(inputs, settings, tokenizer)
+
+    async def collect():
+        return [c async for c in decoder.generate(req, lambda: False)]
+
+    return req, asyncio.run(collect())
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "ngram"])
+def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
+    runners, tokenizer = engines
+    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
+                           max_input_len=48, max_seq_len=64, verify_input_len=63)
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+    text = "the the the cat sat on the mat and the cat sat on the"
+    results = {}
+    for k in (0, 3):
+        req, chunks = run_chunks(decoder, tokenizer, settings, text, 12, k, return_log_probs=True,
+                                 return_generation_logits=True, return_context_logits=True)
+        targets = [c.target for c in chunks if c.target is not None]
+        tokens = [t for g in targets for t in g.tokens]
+        log_probs = [v for g in targets for v in g.log_probs]
+        logits = np.concatenate([g.logits for g in targets if len(g.tokens)])
+        contexts = [g.context_logits for g in targets if g.context_logits is not None]
+        assert len(tokens) == len(log_probs) == len(logits) == 12 and len(contexts) == 1
+        assert contexts[0].shape == (len(req.prompt_ids), logits.shape[1])
+        # each token's log-prob is log_softmax of the target's own logits for it (not the draft's)
+        rows = logits - logits.max(-1, keepdims=True)
+        rows = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+        np.testing.assert_allclose(log_probs, rows[np.arange(12), tokens], atol=1e-5)
+        results[k] = tokens, log_probs, contexts[0]
+    assert results[3][0] == results[0][0]
+    np.testing.assert_allclose(results[3][1], results[0][1], atol=1e-4)
+    np.testing.assert_allclose(results[3][2], results[0][2], atol=1e-4)

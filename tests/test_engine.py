@@ -420,3 +420,39 @@ def test_overlong_drafts_are_cut_to_k(model):
     assert res["r"]["tokens"] == plain
     stats = res["r"]["outputs"][-1].stats
     assert stats.draft_tokens <= 3 * stats.spec_steps and len(stats.proposed_by_position) == 3
+
+
+# ------------------------------------------------------------------ log-probabilities and context logits
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' log_softmax rows for a whole sequence: row i is the distribution of ids[i + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_log_probs_and_context_logits_equal_transformers(model, hf, chunked):
+    prompt = prompts(1, seed=21, lo=40, hi=41)[0]
+    engine = make_engine(model, **({"max_num_tokens": 16} if chunked else {}))
+    run(engine, {0: [Request("warm", prompt, max_new_tokens=2)]})  # the prompt is cached now: must not be skipped
+    res = run(engine, {0: [Request("a", prompt, max_new_tokens=5, return_log_probs=True, return_context_logits=True)]})
+    tokens, outputs = res["a"]["tokens"], res["a"]["outputs"]
+    ref = hf_logprobs(hf, prompt + tokens)
+    context = [o.context_logits for o in outputs if o.context_logits is not None]
+    assert len(context) == 1 and context[0].shape == (len(prompt), VOCAB)
+    torch.testing.assert_close(torch.log_softmax(context[0], -1), ref[:len(prompt)], atol=1e-4, rtol=0)
+    log_probs = [v for o in outputs for v in o.log_probs]
+    want = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    assert len(log_probs) == 5 and log_probs == pytest.approx(want, abs=1e-4)
+
+
+def test_log_probs_of_a_verified_draft_are_the_targets(model, hf):
+    prompt = prompts(1, seed=22)[0]
+    plain, _ = generate(model, prompt, n=6)
+    draft = plain[:2] + [(plain[2] + 1) % VOCAB]  # two accepted, then the target's own token
+    res = run(make_engine(model, max_draft_len=5),
+              {0: [Request("d", prompt, max_new_tokens=6, draft_tokens=draft, return_log_probs=True)]})
+    (out,) = res["d"]["outputs"]
+    ref = hf_logprobs(hf, prompt + plain[:3])
+    assert out.new_token_ids == plain[:3]
+    assert out.log_probs == pytest.approx([ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(plain[:3])], abs=1e-4)

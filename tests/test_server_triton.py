@@ -358,3 +358,34 @@ def test_cancelled_stream_stops_its_work(triton_server):
     assert stopped_at < max_tokens
     (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(prompts(1)[0], 4)])
     assert joined_text(results)
+
+
+def test_log_probs_and_context_logits_under_nvidia_names(triton_server, plain):
+    """tensorrt_llm and the ensemble return output_log_probs / cum_log_probs / context_logits as NVIDIA's
+    backend names them; with speculation they are the target's (equal to plain decoding)."""
+    tok = AutoTokenizer.from_pretrained(triton_server.target_dir)
+    model = LlamaForCausalLM.from_pretrained(triton_server.target_dir, dtype=torch.float32).eval()
+    prompt = prompts(2)[1]
+    ids = tok.encode(prompt, add_special_tokens=False)
+    greedy = plain(prompt, 8, ids=True)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids + greedy])).logits[0], -1)
+    want = [ref[len(ids) - 1 + i, t].item() for i, t in enumerate(greedy)]
+    fields = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
+              "request_output_len": np.array([[8]], dtype=np.int32), "return_log_probs": np.array([[True]]),
+              "return_context_logits": np.array([[True]])}
+    (target,) = stream_requests(triton_server.grpc_url, "tensorrt_llm", [fields])
+    log_probs = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in target])
+    assert target[-1].as_numpy("output_log_probs").ndim == 3  # [batch, beams, n]
+    np.testing.assert_allclose(log_probs, want, atol=1e-4)
+    assert final_value(target, "cum_log_probs") == pytest.approx(sum(want), abs=1e-3)
+    (context,) = [r.as_numpy("context_logits") for r in target if r.as_numpy("context_logits") is not None]
+    assert context.shape == (1, len(ids), ref.shape[1])
+    np.testing.assert_allclose(torch.log_softmax(torch.from_numpy(context[0].copy()), -1).numpy(), ref[:len(ids)].numpy(), atol=1e-4)
+    for k in (0, 3):
+        (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(
+            prompt, 8, num_draft_tokens=k, return_log_probs=True, stream=True)])
+        got = [v for r in results if r.as_numpy("output_log_probs") is not None for v in r.as_numpy("output_log_probs").reshape(-1)]
+        ids_out = [t for r in results if r.as_numpy("output_ids") is not None for t in r.as_numpy("output_ids").reshape(-1)]
+        assert ids_out == greedy and joined_text(results) == plain(prompt, 8)
+        np.testing.assert_allclose(got, want, atol=1e-4)

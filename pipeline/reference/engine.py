@@ -57,6 +57,8 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab] q of the external draft (lossless)
     num_draft_tokens: int | None = None  # K for the engine's proposer (None: max_draft_len)
     return_generation_logits: bool = False
+    return_log_probs: bool = False
+    return_context_logits: bool = False  # computes every prompt position: the prompt's cached KV is not reused
 
 
 @dataclass
@@ -69,6 +71,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" | "stop" | "end_id" | "cancelled" | "error"
     error: str | None = None
     generation_logits: torch.Tensor | None = None  # [len(new_token_ids), vocab] raw target logits
+    log_probs: list[float] | None = None  # log_softmax of those raw logits at each new token
+    context_logits: torch.Tensor | None = None  # [prompt_len, vocab] raw logits, on the output that ends the prompt
     stats: SpecStats = field(default_factory=SpecStats)
 
 
@@ -116,6 +120,12 @@ class _Sequence:
     prefilled: bool = False  # the prompt is fully computed and at least one token generated
     hidden: list[torch.Tensor] = field(default_factory=list)  # [n, hidden] rows for the proposer (see ProposalInput)
     stats: SpecStats = field(default_factory=SpecStats)
+    context_logits: list[torch.Tensor] | None = None  # prompt rows so far, while return_context_logits waits for them
+
+    @property
+    def wants_context(self) -> bool:
+        """Whether this step's prompt rows still need their logits (return_context_logits, not sent yet)."""
+        return self.request.return_context_logits and self.context_logits is not None
 
     @property
     def num_prompt(self) -> int:
@@ -185,7 +195,8 @@ class LLMEngine:
         if any(s.request.request_id == request.request_id for s in (*self.waiting, *self.running)):
             raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
         self.validate(request)
-        self.waiting.append(_Sequence(request=request, tokens=list(request.prompt_ids), generator=make_generator(request.sampling)))
+        self.waiting.append(_Sequence(request=request, tokens=list(request.prompt_ids), generator=make_generator(request.sampling),
+                                      context_logits=[] if request.return_context_logits else None))
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; its final output comes from the next step(). False if unknown."""
@@ -287,7 +298,7 @@ class LLMEngine:
             budget -= len(sched.new_tokens)
         while self.waiting and len(batch) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            seq.blocks = self.blocks.match_prefix(seq.tokens)
+            seq.blocks = SequenceBlocks() if seq.wants_context else self.blocks.match_prefix(seq.tokens)
             seq.num_computed = seq.blocks.num_cached
             sched = self._prefill_rows(seq, budget)
             if sched is None or not self._reserve(seq, len(sched.new_tokens)):
@@ -358,6 +369,8 @@ class LLMEngine:
         self.running.remove(seq)
         self.blocks.free(seq.blocks, seq.tokens, seq.num_computed)
         seq.num_computed, seq.prefilled, seq.hidden = 0, False, []
+        if seq.wants_context:
+            seq.context_logits = []
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
@@ -372,12 +385,21 @@ class LLMEngine:
             rows = list(range(root, n))
             if sched.draft.parents is not None:
                 parents = list(range(-1, root - 1)) + [root - 1] + [root + 1 + p for p in sched.draft.parents]
+        if seq.wants_context:
+            rows = list(range(n))  # every prompt row (then the draft's), for context_logits
         return SequenceInput(sched.new_tokens, seq.num_computed, seq.blocks.blocks, parents=parents, logits_rows=rows)
 
     # ------------------------------------------------------------ after the forward
     def _advance(self, sched: _Scheduled, logits: torch.Tensor, hidden: torch.Tensor | None) -> RequestOutput | None:
         """Verify / sample one sequence's rows and commit its tokens; returns its output (None mid-prefill)."""
         seq, req = sched.seq, sched.seq.request
+        context = None
+        if seq.wants_context:  # logits holds every row: keep the prompt's, verify from the root on
+            prompt_rows = len(sched.new_tokens) - (len(sched.draft.token_ids) if sched.completes_prompt else 0)
+            seq.context_logits.append(logits[:prompt_rows])
+            if sched.completes_prompt:
+                context, seq.context_logits = torch.cat(seq.context_logits), None
+                logits = logits[prompt_rows - 1:]
         if not sched.completes_prompt:  # a prefill chunk: KV written, nothing to sample yet
             seq.num_computed += len(sched.new_tokens)
             self.blocks.commit(seq.blocks, seq.tokens, seq.num_computed)
@@ -416,20 +438,22 @@ class LLMEngine:
         seq.stats.record_step(depth, len(draft.token_ids), verdict.num_accepted, len(new))
         seq.num_computed = min(root_index + 1 + verdict.num_accepted, len(seq.tokens) - 1)
         self.blocks.commit(seq.blocks, seq.tokens, seq.num_computed)
-        gen_logits = logits[rows[:len(new)]] if req.return_generation_logits else None
+        outputs = {"generation_logits": logits[rows[:len(new)]] if req.return_generation_logits else None,
+                   "log_probs": _log_probs(logits[rows[:len(new)]], new) if req.return_log_probs else None,
+                   "context_logits": context}
         if reason is None and (seq.num_generated >= req.max_new_tokens or req.draft_tokens is not None):
             reason = "length"
         if reason is not None:
             self.running.remove(seq)
-            return self._finish(seq, new, reason, gen_logits)
-        return RequestOutput(req.request_id, new, generation_logits=gen_logits, stats=seq.stats)
+            return self._finish(seq, new, reason, **outputs)
+        return RequestOutput(req.request_id, new, stats=seq.stats, **outputs)
 
     def _slots(self, seq: _Sequence, positions: list[int]) -> torch.Tensor:
         bs = self.config.tokens_per_block
         return torch.tensor([seq.blocks.blocks[i // bs] * bs + i % bs for i in positions], dtype=torch.long)
 
-    def _finish(self, seq: _Sequence, new: list[int], reason: str, gen_logits: torch.Tensor | None = None,
-                error: str | None = None) -> RequestOutput:
+    def _finish(self, seq: _Sequence, new: list[int], reason: str, error: str | None = None,
+                **outputs) -> RequestOutput:
         # num_computed counts only tokens whose KV came from seq.tokens (not the last sampled token, not
         # rejected draft slots); after a failed step, cache nothing partial
         self.blocks.free(seq.blocks, seq.tokens, 0 if reason == "error" else seq.num_computed)
@@ -437,7 +461,13 @@ class LLMEngine:
             self.proposer.release(seq.request.request_id)
         self.stats.spec.add(seq.stats)
         return RequestOutput(seq.request.request_id, new, finished=True, finish_reason=reason, error=error,
-                             generation_logits=gen_logits, stats=seq.stats)
+                             stats=seq.stats, **outputs)
+
+
+def _log_probs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
+    """log_softmax(logits[i])[token_ids[i]] for each row: the model's own log-probability of each token."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    return rows[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)].tolist()
 
 
 def _first_nodes(draft: Draft, k: int) -> Draft:

@@ -48,12 +48,15 @@ class Interface:
 
 # Our additions to NVIDIA's interface. The ensemble routes through tensorrt_llm_bls so that
 # speculation is one request field away; the BLS and python models read a few more parameters.
+# Text responses also carry `output_ids`, the token ids behind each text delta, so that a client can
+# line up output_log_probs / generation_logits with tokens (the OpenAI frontend's logprobs).
+OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))
 EXTENSIONS: dict[str, Interface] = {
     "ensemble": Interface(
         inputs=(TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True),
                 TensorSpec("use_draft_logits", "TYPE_BOOL", (1,), optional=True)),
-        outputs=(), parameter_keys=frozenset()),
-    "tensorrt_llm_bls": Interface(inputs=(), outputs=(), parameter_keys=frozenset({
+        outputs=(OUTPUT_IDS,), parameter_keys=frozenset()),
+    "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=frozenset({
         "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
         "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
         "min_acceptance_rate", "skip_special_tokens"})),

@@ -11,6 +11,9 @@ Each round of a speculative request:
    (and draft_logits for lossless rejection sampling), request_output_len = K + 1; the target
    returns the accepted prefix plus its own next token (TensorRT-LLM's draft_tokens_external);
 3. apply end_id / stop words / max_tokens over everything generated and emit the new tokens.
+Log-probabilities and logits a request asks for (return_log_probs, return_generation_logits,
+return_context_logits) come from the target's calls only, so they are the target's whatever proposed
+the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
 stream straight from one target call. A draft failure switches that request to plain decoding,
 counted and logged; acceptance below min_acceptance_rate does the same.
@@ -43,12 +46,28 @@ class DraftError(ModelError):
     """The draft model (or proposer) failed: the request can continue without speculation."""
 
 
+@dataclass(frozen=True)
+class Returns:
+    """What a model call returns besides token ids (the tensorrt_llm return_* inputs)."""
+
+    log_probs: bool = False
+    generation_logits: bool = False
+    context_logits: bool = False
+
+
 @dataclass
 class Generation:
     """What one target or draft call returned."""
 
     tokens: list[int]
-    logits: np.ndarray | None = None  # [n, vocab] raw logits (draft calls with return_generation_logits)
+    logits: np.ndarray | None = None  # [n, vocab] raw logits (return_generation_logits)
+    log_probs: list[float] | None = None  # [n] (return_log_probs)
+    context_logits: np.ndarray | None = None  # [prompt_len, vocab] (return_context_logits)
+
+    def head(self, n: int) -> "Generation":
+        """The first n tokens with their per-token outputs."""
+        return Generation(self.tokens[:n], None if self.logits is None else self.logits[:n],
+                          None if self.log_probs is None else self.log_probs[:n], self.context_logits)
 
 
 class ModelClient(Protocol):
@@ -56,12 +75,13 @@ class ModelClient(Protocol):
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
-                       return_logits: bool = False) -> Generation:
+                       returns: Returns = Returns()) -> Generation:
         """One non-streaming call."""
         ...
 
-    def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None) -> AsyncIterator[list[int]]:
-        """One streaming call: yields new tokens as the model produces them."""
+    def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
+               returns: Returns = Returns()) -> AsyncIterator[Generation]:
+        """One streaming call: yields new tokens (and what `returns` asks for) as the model produces them."""
         ...
 
 
@@ -82,11 +102,12 @@ class RequestStats:
 
 @dataclass
 class Chunk:
-    """Tokens to emit; `final` on the last chunk."""
+    """Tokens to emit (with the target's per-token outputs the request asked for); `final` on the last chunk."""
 
     token_ids: list[int]
     final: bool = False
     stats: RequestStats = field(default_factory=RequestStats)
+    target: Generation | None = None  # token_ids with their log-probs / logits, and the context logits once
 
 
 class SpecMetricsSink(Protocol):
@@ -130,16 +151,16 @@ class SpeculativeDecoder:
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             if not speculate or remaining == 1:
-                async for new in self._plain(req, generated, remaining, cancelled):
-                    keep, reason = find_stop(generated + new, len(new), req.end_id, req.stop_words)
-                    generated += new[:keep]
-                    if new[:keep]:
-                        yield Chunk(new[:keep])
+                async for out in self._plain(req, generated, remaining, cancelled):
+                    keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
+                    generated += out.tokens[:keep]
+                    if keep or out.context_logits is not None:
+                        yield Chunk(out.tokens[:keep], target=out.head(keep))
                     if reason:
                         break
                 break
             try:
-                new, proposed, accepted, stopped = await self._round(req, generated, min(req.num_draft_tokens, remaining - 1))
+                out, proposed, accepted, stopped = await self._round(req, generated, min(req.num_draft_tokens, remaining - 1))
             except DraftError as exc:
                 self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
                 self.metrics.fallback()
@@ -150,10 +171,10 @@ class SpeculativeDecoder:
             stats.total_accepted_draft_tokens += accepted
             if proposed:
                 self.metrics.round(proposed, accepted)
-            keep, reason = find_stop(generated + new, len(new), req.end_id, req.stop_words)
-            generated += new[:keep]
-            if new[:keep]:
-                yield Chunk(new[:keep])
+            keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
+            generated += out.tokens[:keep]
+            if keep or out.context_logits is not None:
+                yield Chunk(out.tokens[:keep], target=out.head(keep))
             if reason or stopped:
                 break
             if (stats.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and stats.total_draft_tokens
@@ -164,21 +185,21 @@ class SpeculativeDecoder:
         yield Chunk([], final=True, stats=stats)
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int,
-                     cancelled: Callable[[], bool]) -> AsyncIterator[list[int]]:
+                     cancelled: Callable[[], bool]) -> AsyncIterator[Generation]:
         done = 0
         while done < max_new:
             chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
             got = 0
-            async for new in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
-                                                _round_seed(req, len(generated))):
-                got += len(new)
-                yield new  # the caller appends it to `generated`
+            async for out in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
+                                                _round_seed(req, len(generated)), _target_returns(req, generated)):
+                got += len(out.tokens)
+                yield out  # the caller appends its tokens to `generated`
             done += got
             if got < chunk or cancelled():  # the target stopped (end_id / stop word), or the client left
                 return
 
-    async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[list[int], int, int, bool]:
-        """One propose + verify round: (new tokens, proposed, accepted, whether the target stopped early)."""
+    async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[Generation, int, int, bool]:
+        """One propose + verify round: (the target's new tokens, proposed, accepted, whether it stopped early)."""
         seq = req.prompt_ids + generated
         seed = _round_seed(req, len(generated))
         draft_logits = None
@@ -187,20 +208,28 @@ class SpeculativeDecoder:
         else:
             try:
                 proposal = await self.client.generate(self.settings.draft_model, seq, k, req, seed,
-                                                      return_logits=req.use_draft_logits)
+                                                      returns=Returns(generation_logits=req.use_draft_logits))
             except Exception as exc:
                 raise DraftError(f"draft: {exc}") from exc
             draft, draft_logits = proposal.tokens[:k], proposal.logits
             if draft_logits is not None:
                 draft_logits = draft_logits[:len(draft)]
+        returns = _target_returns(req, generated)
         if not draft:  # nothing to verify: the target decodes K + 1 tokens plainly
-            out = await self.client.generate(self.settings.target_model, seq, k + 1, req, seed)
-            return out.tokens, 0, 0, len(out.tokens) < k + 1
+            out = await self.client.generate(self.settings.target_model, seq, k + 1, req, seed, returns=returns)
+            return out, 0, 0, len(out.tokens) < k + 1
         out = await self.client.generate(self.settings.target_model, seq, len(draft) + 1, req, seed,
-                                         draft_ids=draft, draft_logits=draft_logits if req.use_draft_logits else None)
+                                         draft_ids=draft, draft_logits=draft_logits if req.use_draft_logits else None,
+                                         returns=returns)
         # The target returns the accepted prefix plus one token of its own; fewer means it hit end_id or a stop word.
         accepted = min(common_prefix_len(draft, out.tokens), len(draft))
-        return out.tokens, len(draft), accepted, len(out.tokens) < accepted + 1
+        return out, len(draft), accepted, len(out.tokens) < accepted + 1
+
+
+def _target_returns(req: TextRequest, generated: list[int]) -> Returns:
+    """What a target call returns for this request: context logits only with the first call (the prompt alone)."""
+    return Returns(log_probs=req.return_log_probs, generation_logits=req.return_generation_logits,
+                   context_logits=req.return_context_logits and not generated)
 
 
 def _round_seed(req: TextRequest, offset: int) -> int | None:
@@ -212,33 +241,60 @@ class TextResponder:
     """Turns one request's token chunks into response arrays (NVIDIA's BLS output names).
 
     Streaming requests get a text delta per chunk (never a split multi-byte character) and a final
-    response carrying the counters; non-streaming requests get one final response.
+    response carrying the counters; non-streaming requests get one final response. Every response
+    also carries `output_ids`, the token ids behind its text (our extension: clients align
+    log-probabilities with tokens by them), the target's output_log_probs / cum_log_probs /
+    generation_logits / context_logits when the request asks for them, and the token counts so far
+    when return_num_input_tokens / return_num_output_tokens are set.
     """
 
     def __init__(self, req: TextRequest, prompt_text: str, tokenizer, skip_special_tokens: bool):
         self.req = req
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.pending = "" if req.exclude_input_in_output else prompt_text  # text not sent yet
+        self.unsent: list[Chunk] = []  # chunks whose tokens went into `pending`
         self.num_tokens = 0
+        self.cum_log_prob = 0.0
 
     def on_chunk(self, chunk: Chunk) -> dict[str, np.ndarray] | None:
         """The arrays to send for this chunk, or None when there is nothing to send yet."""
         self.num_tokens += len(chunk.token_ids)
+        self.unsent.append(chunk)
         self.pending += self.detok.add(chunk.token_ids) if chunk.token_ids else ""
         if chunk.final:
             self.pending += self.detok.flush()
         elif not self.req.stream or not self.pending:
             return None
         text, self.pending = self.pending, ""
+        chunks, self.unsent = self.unsent, []
         # [batch]: NVIDIA's BLS returns one string per request and its clients read text_output[0]
-        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object)}
+        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object),
+                  "output_ids": np.array([[t for c in chunks for t in c.token_ids]], dtype=np.int32)}  # [batch, n]
+        arrays.update(self._target_arrays([c.target for c in chunks if c.target is not None]))
         if chunk.final:
             st = chunk.stats
             arrays["acceptance_rate"] = np.array([[st.acceptance_rate]], dtype=np.float32)
             arrays["total_accepted_draft_tokens"] = np.array([[st.total_accepted_draft_tokens]], dtype=np.int32)
             arrays["total_draft_tokens"] = np.array([[st.total_draft_tokens]], dtype=np.int32)
-            if self.req.return_num_input_tokens:
-                arrays["num_input_tokens"] = np.array([[len(self.req.prompt_ids)]], dtype=np.int32)
-            if self.req.return_num_output_tokens:
-                arrays["num_output_tokens"] = np.array([[self.num_tokens]], dtype=np.int32)
+        if self.req.return_num_input_tokens:
+            arrays["num_input_tokens"] = np.array([[len(self.req.prompt_ids)]], dtype=np.int32)
+        if self.req.return_num_output_tokens:
+            arrays["num_output_tokens"] = np.array([[self.num_tokens]], dtype=np.int32)
+        return arrays
+
+    def _target_arrays(self, outs: list[Generation]) -> dict[str, np.ndarray]:
+        """The target's log-probs and logits for these tokens, in the tensorrt_llm model's shapes."""
+        arrays = {}
+        if self.req.return_log_probs:
+            log_probs = [v for o in outs for v in o.log_probs or []]
+            self.cum_log_prob += sum(log_probs)
+            arrays["output_log_probs"] = np.array(log_probs, dtype=np.float32).reshape(1, 1, -1)  # [batch, beams, n]
+            arrays["cum_log_probs"] = np.array([[self.cum_log_prob]], dtype=np.float32)  # [batch, beams]
+        logits = [o.logits for o in outs if o.logits is not None and len(o.logits)]
+        if self.req.return_generation_logits and logits:
+            gen = np.concatenate(logits).astype(np.float32)  # [n, vocab]
+            arrays["generation_logits"] = gen.reshape(1, 1, *gen.shape)  # [batch, beams, n, vocab]
+        context = [o.context_logits for o in outs if o.context_logits is not None]
+        if self.req.return_context_logits and context:
+            arrays["context_logits"] = context[0].astype(np.float32)[None]  # [batch, prompt_len, vocab]
         return arrays

@@ -15,8 +15,8 @@ from typing import AsyncIterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving.bls import Generation, ModelError
-from pipeline.serving.engine_io import engine_inputs
+from pipeline.serving.bls import Generation, ModelError, Returns
+from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
 
 _DONE = object()
@@ -54,38 +54,28 @@ class TritonModelClient:
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
-                       return_logits: bool = False) -> Generation:
-        """One non-streaming call: all generated tokens (and raw logits when asked)."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, return_logits)
-        outputs = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else [])
-        tokens: list[int] = []
-        logits = []
+                       returns: Returns = Returns()) -> Generation:
+        """One non-streaming call: all generated tokens (and what `returns` asks for)."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
+        parts = [part async for part in self._generations(model, inputs, returns)]
+        return join_generations(parts)
+
+    async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
+                     seed: int | None, returns: Returns = Returns()) -> AsyncIterator[Generation]:
+        """One streaming call: yields each response's new tokens (and what `returns` asks for); a non-decoupled
+        model answers once, with all of them."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled, None, None, returns)
+        async for part in self._generations(model, inputs, returns):
+            if part.tokens or part.context_logits is not None:
+                yield part
+
+    async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns) -> AsyncIterator[Generation]:
+        names = {"output_log_probs": returns.log_probs, "generation_logits": returns.generation_logits,
+                 "context_logits": returns.context_logits}
+        outputs = ["output_ids", "sequence_length"] + [name for name, wanted in names.items() if wanted]
         async for response in self._responses(model, inputs, outputs):
             ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if ids is None:  # the empty final-flag response
                 continue
-            n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            tokens += ids.as_numpy().reshape(-1)[:n].tolist()
-            gen = pb_utils.get_output_tensor_by_name(response, "generation_logits") if return_logits else None
-            if gen is not None:
-                arr = gen.as_numpy()
-                logits.append(arr.reshape(-1, arr.shape[-1]))  # [n, vocab]
-        return Generation(tokens=tokens, logits=np.concatenate(logits) if logits else None)
-
-    async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
-                     seed: int | None) -> AsyncIterator[list[int]]:
-        """One streaming call: yields each response's new tokens (all of them at once from a non-decoupled model)."""
-        if not self.decoupled:
-            out = await self.generate(model, prompt_ids, max_new, req, seed)
-            if out.tokens:
-                yield out.tokens
-            return
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, False)
-        async for response in self._responses(model, inputs, ["output_ids", "sequence_length"]):
-            ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
-            if ids is None:
-                continue
-            n = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-            new = ids.as_numpy().reshape(-1)[:n].tolist()
-            if new:
-                yield new
+            arrays = {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+            yield generation_from_arrays({k: v.as_numpy() for k, v in arrays.items() if v is not None})

@@ -1,19 +1,22 @@
-"""The tensorrt_llm tensor interface as a caller (the BLS) sends it: numpy only, for either engine.
+"""The tensorrt_llm tensor interface as a caller (the BLS) sees it: numpy only, for either engine.
 
 NVIDIA's input names (input_ids, request_output_len, draft_input_ids, draft_logits, end_id,
-runtime_top_k, ...); the reference engine reads them back in reference_adapter.py.
+runtime_top_k, return_log_probs, ...); the reference engine reads them back in reference_adapter.py.
+`generation_from_arrays` reads a response (output_ids, sequence_length, output_log_probs,
+generation_logits, context_logits) back into a Generation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pipeline.serving.bls import Generation, Returns
 from pipeline.serving.params import TextRequest
 from pipeline.serving.text import to_word_list_format
 
 
 def engine_inputs(prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None, streaming: bool,
-                  draft_ids: list[int] | None, draft_logits: np.ndarray | None, return_logits: bool) -> dict[str, np.ndarray]:
+                  draft_ids: list[int] | None, draft_logits: np.ndarray | None, returns: Returns) -> dict[str, np.ndarray]:
     """tensorrt_llm input arrays (batch dimension 1) for one call."""
     s = req.sampling
     already = len(prompt_ids) - len(req.prompt_ids)  # tokens generated before this call
@@ -43,6 +46,30 @@ def engine_inputs(prompt_ids: list[int], max_new: int, req: TextRequest, seed: i
         arrays["draft_input_ids"] = np.array([draft_ids], dtype=np.int32)  # [1, k]
     if draft_logits is not None:
         arrays["draft_logits"] = np.ascontiguousarray(draft_logits, dtype=np.float32)[None]  # [1, k, vocab]
-    if return_logits:
-        arrays["return_generation_logits"] = np.array([[True]], dtype=bool)
+    for name, wanted in (("return_generation_logits", returns.generation_logits), ("return_log_probs", returns.log_probs),
+                         ("return_context_logits", returns.context_logits)):
+        if wanted:
+            arrays[name] = np.array([[True]], dtype=bool)
     return arrays
+
+
+def generation_from_arrays(arrays: dict[str, np.ndarray]) -> Generation:
+    """One tensorrt_llm response (output_ids [1, 1, n], sequence_length, and the optional log-prob and logits
+    outputs) as a Generation."""
+    n = int(arrays["sequence_length"].reshape(-1)[0])
+    tokens = arrays["output_ids"].reshape(-1)[:n].tolist()
+    logits, log_probs, context = (arrays.get(name) for name in ("generation_logits", "output_log_probs", "context_logits"))
+    return Generation(tokens=tokens,
+                      logits=None if logits is None else logits.reshape(-1, logits.shape[-1]),  # [n, vocab]
+                      log_probs=None if log_probs is None else log_probs.reshape(-1).tolist(),
+                      context_logits=None if context is None else context.reshape(-1, context.shape[-1]))  # [L, vocab]
+
+
+def join_generations(parts: list[Generation]) -> Generation:
+    """The Generations of one call's responses as one."""
+    logits = [p.logits for p in parts if p.logits is not None]
+    log_probs = [p.log_probs for p in parts if p.log_probs is not None]
+    context = [p.context_logits for p in parts if p.context_logits is not None]
+    return Generation(tokens=[t for p in parts for t in p.tokens], logits=np.concatenate(logits) if logits else None,
+                      log_probs=[v for lp in log_probs for v in lp] if log_probs else None,
+                      context_logits=context[0] if context else None)

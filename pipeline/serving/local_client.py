@@ -14,9 +14,9 @@ from typing import AsyncIterator
 import numpy as np
 
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving.bls import Generation, ModelError
-from pipeline.serving.engine_io import engine_inputs
-from pipeline.serving.reference_adapter import engine_request
+from pipeline.serving.bls import Generation, ModelError, Returns
+from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
+from pipeline.serving.reference_adapter import ResponseBuilder, engine_request
 from pipeline.serving.params import TextRequest
 
 
@@ -26,35 +26,34 @@ class LocalModelClient:
     def __init__(self, runners: dict[str, EngineRunner]):
         self.runners = runners
 
-    async def _outputs(self, model: str, inputs: dict[str, np.ndarray]) -> AsyncIterator:
+    async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
+                       draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
+                       returns: Returns = Returns()) -> Generation:
+        """One non-streaming call."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
+        return join_generations([part async for part in self._generations(model, inputs)])
+
+    async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
+                     seed: int | None, returns: Returns = Returns()) -> AsyncIterator[Generation]:
+        """One streaming call."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, returns)
+        async for part in self._generations(model, inputs):
+            if part.tokens or part.context_logits is not None:
+                yield part
+
+    async def _generations(self, model: str, inputs: dict[str, np.ndarray]) -> AsyncIterator[Generation]:
+        """The engine's outputs, rendered and read back through the tensorrt_llm arrays as in the server."""
         runner = self.runners[model]
-        request, _ = engine_request(inputs, uuid.uuid4().hex, True, runner.engine.model.vocab_size)
+        request, options = engine_request(inputs, uuid.uuid4().hex, True, runner.engine.model.vocab_size)
+        builder = ResponseBuilder(request.prompt_ids, options)
         queue = runner.submit(request)
         loop = asyncio.get_running_loop()
         while True:
             out = await loop.run_in_executor(None, queue.get)
             if out.error:
                 raise ModelError(f"{model}: {out.error}")
-            yield out
+            arrays = builder.add(out)
+            if arrays is not None:
+                yield generation_from_arrays(arrays)
             if out.finished:
                 return
-
-    async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
-                       draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
-                       return_logits: bool = False) -> Generation:
-        """One non-streaming call."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, return_logits)
-        tokens, logits = [], []
-        async for out in self._outputs(model, inputs):
-            tokens += out.new_token_ids
-            if out.generation_logits is not None:
-                logits.append(out.generation_logits.float().numpy())  # [n, vocab]
-        return Generation(tokens=tokens, logits=np.concatenate(logits) if logits else None)
-
-    async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
-                     seed: int | None) -> AsyncIterator[list[int]]:
-        """One streaming call."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, False)
-        async for out in self._outputs(model, inputs):
-            if out.new_token_ids:
-                yield out.new_token_ids

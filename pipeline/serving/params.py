@@ -145,6 +145,9 @@ class TextRequest:
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_log_probs: bool = False  # the target's log-probability of each generated token
+    return_generation_logits: bool = False  # the target's raw logits for each generated token
+    return_context_logits: bool = False  # the target's raw logits for each prompt position
 
 
 def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:
@@ -200,9 +203,6 @@ def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tok
         n = scalar(inputs, name)
         if n is not None and int(n) != 1:
             raise RequestError(name, f"{n} is not supported", f"set {name} to 1")
-    for name in ("return_context_logits", "return_generation_logits", "return_log_probs"):
-        if _flag(scalar(inputs, name)):
-            raise RequestError(name, "is not supported by the speculative BLS", f"set {name} to false")
     end_id = scalar(inputs, "end_id")
     pad_id = scalar(inputs, "pad_id")
     return TextRequest(
@@ -218,4 +218,7 @@ def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tok
         return_perf_metrics=_flag(scalar(inputs, "return_perf_metrics")),
         return_num_input_tokens=_flag(scalar(inputs, "return_num_input_tokens")),
         return_num_output_tokens=_flag(scalar(inputs, "return_num_output_tokens")),
+        return_log_probs=_flag(scalar(inputs, "return_log_probs")),
+        return_generation_logits=_flag(scalar(inputs, "return_generation_logits")),
+        return_context_logits=_flag(scalar(inputs, "return_context_logits")),
     )

@@ -3,7 +3,10 @@
 `engine_request` turns a request's input arrays (NVIDIA's names: input_ids, request_output_len,
 draft_input_ids, draft_logits, end_id, runtime_top_k, ...) into an engine `Request`;
 `ResponseBuilder` turns the engine's `RequestOutput`s into the output arrays the tensorrtllm
-backend returns (output_ids [1, beams, n], sequence_length, generation_logits, acceptance counts).
+backend returns (output_ids [1, beams, n], sequence_length, output_log_probs, cum_log_probs,
+context_logits, generation_logits, acceptance counts). Log-probabilities are the raw model's
+(log_softmax of the logits before temperature, penalties and top-k/top-p: TensorRT-LLM's PyTorch
+backend default; its TensorRT engine backend reports them after temperature).
 The other direction, the arrays a caller (the BLS) sends, is engine_io.py (numpy only).
 """
 
@@ -44,6 +47,8 @@ class ResponseOptions:
     streaming: bool
     exclude_input_in_output: bool
     return_generation_logits: bool
+    return_log_probs: bool
+    return_context_logits: bool
     return_perf_metrics: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
@@ -83,9 +88,6 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
         n = scalar(inputs, name)
         if n is not None and int(n) != 1:
             raise RequestError(name, f"{n} is not supported", f"set {name} to 1")
-    for name in ("return_log_probs", "return_context_logits"):
-        if _flag(inputs, name):
-            raise RequestError(name, "is not supported by the reference engine", f"set {name} to false")
     prompt = _ids(inputs, "input_ids")
     if not prompt:
         raise RequestError("input_ids", "is missing or empty", "send the prompt's token ids")
@@ -120,11 +122,15 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
         draft_probs = probabilities(process_logits(logits, contexts, len(prompt), sampling), sampling)  # [k, vocab]
     request = Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=int(max_new), sampling=sampling,
                       draft_tokens=draft or None, draft_probs=draft_probs if draft else None,
-                      return_generation_logits=_flag(inputs, "return_generation_logits"))
+                      return_generation_logits=_flag(inputs, "return_generation_logits"),
+                      return_log_probs=_flag(inputs, "return_log_probs"),
+                      return_context_logits=_flag(inputs, "return_context_logits"))
     options = ResponseOptions(
         streaming=_flag(inputs, "streaming"),
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output", exclude_input_default),
         return_generation_logits=request.return_generation_logits,
+        return_log_probs=request.return_log_probs,
+        return_context_logits=request.return_context_logits,
         return_perf_metrics=_flag(inputs, "return_perf_metrics"),
         return_num_input_tokens=_flag(inputs, "return_num_input_tokens"),
         return_num_output_tokens=_flag(inputs, "return_num_output_tokens"))
@@ -178,25 +184,23 @@ class ResponseBuilder:
     def __init__(self, prompt_ids: list[int], options: ResponseOptions):
         self.prompt_ids = prompt_ids
         self.options = options
-        self.tokens: list[int] = []
-        self.logits: list[torch.Tensor] = []
+        self.num_tokens = 0
+        self.cum_log_prob = 0.0
+        self.unsent: list[RequestOutput] = []  # outputs not rendered yet (non-streaming: all of them)
         self.sent_prompt = False
 
     def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """Arrays to send for this output, or None (non-streaming and not finished yet, or nothing new)."""
-        self.tokens += out.new_token_ids
-        if out.generation_logits is not None:
-            self.logits.append(out.generation_logits)
-        if self.options.streaming:
-            if not out.new_token_ids and not out.finished:
-                return None
-            return self._arrays(out.new_token_ids, [out.generation_logits] if out.generation_logits is not None else [], out)
-        if not out.finished:
+        self.num_tokens += len(out.new_token_ids)
+        self.cum_log_prob += sum(out.log_probs or [])
+        self.unsent.append(out)
+        if not out.finished and (not self.options.streaming or not out.new_token_ids):
             return None
-        return self._arrays(self.tokens, self.logits, out)
+        outs, self.unsent = self.unsent, []
+        return self._arrays(outs, out)
 
-    def _arrays(self, new_ids: list[int], logits: list[torch.Tensor], out: RequestOutput) -> dict[str, np.ndarray]:
-        ids = list(new_ids)
+    def _arrays(self, outs: list[RequestOutput], last: RequestOutput) -> dict[str, np.ndarray]:
+        ids = [t for o in outs for t in o.new_token_ids]
         if not self.options.exclude_input_in_output and not self.sent_prompt:
             ids = self.prompt_ids + ids
         self.sent_prompt = True
@@ -204,16 +208,24 @@ class ResponseBuilder:
             "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beams, n]
             "sequence_length": np.array([[len(ids)]], dtype=np.int32),  # [batch, beams]
         }
+        logits = [o.generation_logits for o in outs if o.generation_logits is not None]
         if self.options.return_generation_logits and logits:
             gen = torch.cat(logits).to(torch.float32).numpy()  # [n, vocab]
             arrays["generation_logits"] = gen.reshape(1, 1, *gen.shape)  # [batch, beams, n, vocab]
-        if self.options.return_perf_metrics or out.stats.draft_tokens:
-            st = out.stats
+        if self.options.return_log_probs:
+            log_probs = [v for o in outs for v in o.log_probs or []]  # the generated tokens' only
+            arrays["output_log_probs"] = np.array(log_probs, dtype=np.float32).reshape(1, 1, -1)  # [batch, beams, n]
+            arrays["cum_log_probs"] = np.array([[self.cum_log_prob]], dtype=np.float32)  # [batch, beams]
+        context = [o.context_logits for o in outs if o.context_logits is not None]
+        if self.options.return_context_logits and context:
+            arrays["context_logits"] = context[0].to(torch.float32).numpy()[None]  # [batch, prompt_len, vocab]
+        if self.options.return_perf_metrics or last.stats.draft_tokens:
+            st = last.stats
             arrays["acceptance_rate"] = np.array([[st.acceptance_rate]], dtype=np.float32)
             arrays["total_accepted_draft_tokens"] = np.array([[st.accepted_tokens]], dtype=np.int32)
             arrays["total_draft_tokens"] = np.array([[st.draft_tokens]], dtype=np.int32)
         if self.options.return_num_input_tokens:
             arrays["num_input_tokens"] = np.array([[len(self.prompt_ids)]], dtype=np.int32)
         if self.options.return_num_output_tokens:
-            arrays["num_output_tokens"] = np.array([[len(self.tokens)]], dtype=np.int32)
+            arrays["num_output_tokens"] = np.array([[self.num_tokens]], dtype=np.int32)
         return arrays
