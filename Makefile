@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
 
-.PHONY: trained-pair bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
+.PHONY: trained-pair bench-kernels bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -36,10 +36,18 @@ plan: venv
 trained-pair: venv
 	$(PY) -m pipeline.fixtures.trainpair --out models/trained-pair
 
+# CPU linear kernels for 1-8 rows on SmolLM2's shapes (speed, batch invariance) and the verify cost of 6 tokens
+# against 1 on the default spec's engine and a float32 one; prints markdown tables (docs/engine.md quotes them).
+bench-kernels: venv models
+	$(PY) -m pipeline engines examples/default.yaml >/dev/null
+	$(PY) -m pipeline engines examples/default.yaml --set name=float32 --set models.target.qformat=none >/dev/null
+	$(PY) -m pipeline.apps.bench_kernels --engines out/float32/engines/target out/default/engines/target $(ARGS)
+
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
 bench-engine: venv models trained-pair
-	$(PY) -m pipeline.apps.bench_engine $(ARGS)
+	$(PY) -m pipeline engines examples/default.yaml >/dev/null
+	$(PY) -m pipeline.apps.bench_engine --smollm2-engine out/default/engines/target $(ARGS)
 
 # Build (or reuse from the cache) the engines of a spec; with toolchain trtllm on a machine without a GPU this
 # writes out/<name>/trtllm/build_engines.sh for a GPU host (docs/trtllm.md).

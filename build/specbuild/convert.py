@@ -10,7 +10,7 @@ chat turns when the tokenizer has a chat template):
   scales the input. q/k/v stay plain grouped int4 (see UNSCALED).
 - int8_sq: SmoothQuant (Xiao et al. 2023) smoothing factors s = max|x|^0.5 / max|w|^0.5 per input
   channel of o_proj, gate/up (shared) and down_proj (q/k/v: s = 1); weight int8 per channel of w * s,
-  `smoother` = s. Activations are NOT quantized: the reference runs it weight-only.
+  `smoother` = s. The reference runs it as W8A8: per-token dynamic int8 activations (linear.py).
 - fp8: per-channel float8_e4m3fn weights; activations stay in the compute dtype (weight-only).
 build: adds the engine limits and speculative-decoding settings (build_config) to the checkpoint.
 Weights load from safetensors; pickle files only when the spec allows them (torch.load weights_only).

@@ -9,7 +9,8 @@ holding Hugging Face parameter names. A quantized linear weight `<p>.weight` [ou
 - W8A8_SQ_PER_CHANNEL: as W8A16 + `<p>.smoother` f32 [in]; the layer computes (x / smoother) @ w.T
 - FP8:               `<p>.weight` float8_e4m3fn [out, in] + `<p>.weight_scale` f32 [out]
 `load_engine` returns dense weights in the compute dtype with the AWQ / SmoothQuant input scales
-folded in, so the model code never sees a quantized tensor.
+folded in; with `int8_kernels` it keeps W8A16 / W8A8 weights as stored (int8 + weight_scale [+ smoother])
+for the model's int8 kernels (linear.py). int4 and fp8 weights are always dequantized.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 QUANT_ALGO = {"none": None, "int8_wo": "W8A16", "int4_wo": "W4A16", "int4_awq": "W4A16_AWQ",
               "int8_sq": "W8A8_SQ_PER_CHANNEL", "fp8": "FP8"}
+INT8_KERNEL_ALGOS = ("W8A16", "W8A8_SQ_PER_CHANNEL")  # run on int8 kernels (linear.py), not dequantized
 KV_CACHE_QUANT_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -131,8 +133,11 @@ def save_engine(engine_dir: str | os.PathLike, config: dict, tensors: dict[str, 
     (engine_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
-def load_engine(engine_dir: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, state dict) of an engine or converted checkpoint: dense tensors in the compute dtype."""
+def load_engine(engine_dir: str | os.PathLike, int8_kernels: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, state dict) of an engine or converted checkpoint: dense tensors in the compute dtype.
+
+    int8_kernels: W8A16 / W8A8 linears stay as stored (int8 weight, f32 weight_scale, smoother).
+    """
     engine_dir = Path(engine_dir)
     config = json.loads((engine_dir / CONFIG_FILE).read_text())
     pretrained = config.get("pretrained_config", config)  # a converted checkpoint holds pretrained_config only
@@ -140,6 +145,11 @@ def load_engine(engine_dir: str | os.PathLike) -> tuple[dict, dict[str, torch.Te
     quant = pretrained.get("quantization") or {}
     algo, group_size = quant.get("quant_algo"), quant.get("group_size", 128)
     raw = load_file(str(engine_dir / WEIGHTS_FILE))
+    if int8_kernels and algo in INT8_KERNEL_ALGOS:
+        def as_stored(name: str) -> bool:
+            return is_quantized_linear(name) or name.endswith((".weight_scale", ".smoother"))
+
+        return config, {k: v if as_stored(k) or not v.is_floating_point() else v.to(dtype) for k, v in raw.items()}
     state = {}
     for name, tensor in raw.items():
         if name.endswith((".weight_scale", ".pre_quant_scale", ".smoother")):

@@ -180,7 +180,7 @@ class LLMEngine:
         from pipeline.reference.checkpoint import load_engine
         from pipeline.reference.speculation import engine_proposer
 
-        config, state = load_engine(engine_dir)
+        config, state = load_engine(engine_dir, int8_kernels=True)
         engine_config = EngineConfig.from_engine_config(config, **config_overrides)
         pretrained = config.get("pretrained_config", config)
         model = LlamaModel(pretrained, state, batch_invariant=engine_config.batch_invariant)

@@ -7,11 +7,17 @@ sequence's cached prefix (gathered from its KV blocks) plus its new tokens. The 
 sequence may form a tree (Medusa / EAGLE verification): then a token attends to the prefix and to
 its ancestors only, at position prefix_len + depth.
 
+Linear layers run the kernel of the engine's weight format (linear.py): dense in the compute dtype,
+fbgemm's fp16-weight GEMM for float16 engines, or int8 kernels for int8_wo (W8A16) and int8_sq
+(W8A8, per-token activations) engines, whose output layer then runs on fp16 weights; int4 / fp8
+weights are dequantized at load (no faster CPU kernel that keeps them, see docs/engine.md).
+
 `batch_invariant=True` makes every token's result independent of what else is in the batch
-(bit-for-bit): every linear runs row by row (CPU GEMM kernels round differently for different row
-counts) and every token attends through its own SDPA call over exactly its visible keys, the same
-shapes plain one-token decoding uses. Exactness tests (speculative == plain) use it; it costs
-nothing at batch 1 decode and a lot on long prefills.
+(bit-for-bit): every linear whose kernel is not batch-invariant by construction runs row by row
+(CPU fp32 GEMM kernels round differently for different row counts) and every token attends
+through its own SDPA call over exactly its visible keys, the same shapes plain one-token decoding
+uses. Exactness tests (speculative == plain) use it; with the int8 kernels it costs little, since
+their linears take all rows in one call.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import KVCache
+from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, wide_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -119,14 +126,32 @@ class LlamaModel(torch.nn.Module):
         def w(name: str) -> torch.Tensor:
             return state_dict[name].to(self.dtype).contiguous()
 
+        quant_algo = (config.get("quantization") or {}).get("quant_algo")
+        kernel = {"W8A16": Int8WeightOnly, "W8A8_SQ_PER_CHANNEL": Int8PerToken}.get(quant_algo)
+        # float16 weights run on fbgemm's fp16 GEMM (fp32 sums, batch-invariant, 2-8x faster than F.linear in fp16)
+        dense = Float16Weights if self.dtype == torch.float16 else DenseLinear
+
+        def linear(prefix: str, names: list[str], bias: torch.Tensor | None = None):
+            """One kernel over the fused weights prefix + name (int8 when the state holds them stored)."""
+            weights = [state_dict[f"{prefix}{n}.weight"] for n in names]
+            if weights[0].dtype != torch.int8:
+                return dense(torch.cat([w.to(self.dtype) for w in weights]).contiguous(), bias)
+            if kernel is None:
+                raise ValueError(f"{prefix}{names[0]}.weight is int8 but quant_algo is {quant_algo!r}; "
+                                 "load the engine with load_engine, which dequantizes other formats")
+            scale = torch.cat([state_dict[f"{prefix}{n}.weight_scale"] for n in names])
+            smoother = state_dict.get(f"{prefix}{names[0]}.smoother")  # fused linears share their input's smoother
+            return kernel(torch.cat(weights), scale, bias, smoother)
+
         tied = config["tie_word_embeddings"] or "lm_head.weight" not in state_dict
-        self.lm_head = _wide_layout(w("model.embed_tokens.weight" if tied else "lm_head.weight"))  # [vocab, hidden] view
+        self.lm_head = wide_layout(w("model.embed_tokens.weight" if tied else "lm_head.weight"))  # [vocab, hidden] view
         self.embed = self.lm_head if tied else w("model.embed_tokens.weight")  # [vocab, hidden]
+        # int8 engines: the output layer stays unquantized as in TensorRT-LLM, on a 16-bit batch-invariant kernel
+        self.lm_head_linear = Float16Weights(self.lm_head) if kernel is not None else dense(self.lm_head)
         self.final_norm = w("model.norm.weight") if "model.norm.weight" in state_dict else None  # None: EAGLE drafter
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            qkv = _wide_layout(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))  # [(H + 2 KVH) * D, hidden]
             bias = None
             if config.get("attention_bias") and p + "self_attn.q_proj.bias" in state_dict:
                 bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])  # [(H + 2 KVH) * D]
@@ -134,9 +159,10 @@ class LlamaModel(torch.nn.Module):
                 # EAGLE-1/2 drafters have no input norm in their layer 0: None skips it
                 "input_norm": w(p + "input_layernorm.weight") if p + "input_layernorm.weight" in state_dict else None,
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": qkv, "qkv_bias": bias, "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": _wide_layout(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),  # [2 I, hidden]
-                "down": w(p + "mlp.down_proj.weight"),
+                "qkv": linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"], bias),  # [(H + 2 KVH) * D, hidden]
+                "o": linear(p + "self_attn.", ["o_proj"]),
+                "gate_up": linear(p + "mlp.", ["gate_proj", "up_proj"]),  # [2 I, hidden]
+                "down": linear(p + "mlp.", ["down_proj"]),
             })
         max_pos = max(config.get("max_position_embeddings", 2048), 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(config))  # [max_pos, D/2]
@@ -167,7 +193,7 @@ class LlamaModel(torch.nn.Module):
         """Load a reference engine directory (config.json + rank0.safetensors, see pipeline.reference.checkpoint)."""
         from pipeline.reference.checkpoint import load_engine
 
-        config, state = load_engine(engine_dir)
+        config, state = load_engine(engine_dir, int8_kernels=True)
         return cls(config.get("pretrained_config", config), state, batch_invariant=batch_invariant)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str | None = None) -> KVCache:
@@ -177,16 +203,17 @@ class LlamaModel(torch.nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the memory roofline's numerator)."""
-        tensors = [self.embed if self.lm_head is self.embed else self.lm_head] + [t for t in [self.final_norm] if t is not None]
+        nbytes = self.lm_head_linear.nbytes + sum(t.numel() * t.element_size() for t in [self.final_norm] if t is not None)
         for layer in self.layers:
-            tensors += [t for t in layer.values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            nbytes += sum(v.nbytes if hasattr(v, "nbytes") else v.numel() * v.element_size()
+                          for k, v in layer.items() if v is not None)
+        return nbytes
 
     # ---------------------------------------------------------------- forward
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant and x.shape[0] > 1:
-            return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
-        return F.linear(x, weight, bias)
+    def _linear(self, x: torch.Tensor, kernel) -> torch.Tensor:
+        if self.batch_invariant and x.shape[0] > 1 and not kernel.batch_invariant:
+            return torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
+        return kernel(x)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # as HF: normalise in fp32, cast back, then scale (.float() / .to() are no-ops in fp32)
@@ -214,7 +241,7 @@ class LlamaModel(torch.nn.Module):
         x = self.embed.index_select(0, tokens) if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"]) if layer["input_norm"] is not None else x
-            qkv = self._linear(h, layer["qkv"], layer["qkv_bias"])  # [T, (H + 2 KVH) * D]
+            qkv = self._linear(h, layer["qkv"])  # [T, (H + 2 KVH) * D]
             qk = self._rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)  # [T, H + KVH, D]
             q, k = qk.split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
             kv.write(li, plan.slots, k, qkv[:, (H + KVH) * D:].view(-1, KVH, D))
@@ -225,7 +252,7 @@ class LlamaModel(torch.nn.Module):
             x = x + self._linear(F.silu(gate) * up, layer["down"])
         hidden = self._rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
         rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
-        logits = self._linear(rows, self.lm_head).float()  # [R, vocab]
+        logits = self._linear(rows, self.lm_head_linear).float()  # [R, vocab]
         return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
@@ -240,18 +267,6 @@ class LlamaModel(torch.nn.Module):
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, H, n, D]
             out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
         return out
-
-
-def _wide_layout(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [out, in] with out > in as a view over [in, out] storage (else unchanged).
-
-    F.linear on such a view runs x @ W^T as a row-major [in, out] GEMV, which reads memory about
-    1.5-2x faster on these CPUs for wide outputs (lm_head, qkv, gate_up); narrow outputs (down)
-    are faster in the usual layout, and bf16 / fp16 are 25x SLOWER in the transposed one.
-    Measured with torch 2.13 on the 2-core development machines.
-    """
-    wide = weight.dtype == torch.float32 and weight.shape[0] > weight.shape[1]
-    return weight.t().contiguous().t() if wide else weight
 
 
 def perplexity(model: LlamaModel, token_ids: list[int]) -> float:

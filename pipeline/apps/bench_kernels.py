@@ -1,0 +1,221 @@
+"""`make bench-kernels`: CPU linear kernels for few rows on SmolLM2-135M's shapes, side by side in one run.
+
+Part 1 (kernels): the 30 layers' fused qkv [960, 576], o [576, 576], gate_up [3072, 576] and
+down [576, 1536] plus the output layer [49152, 576], random weights, timed for n = 1, 2, 4, 6, 8
+rows (the rows of one decode step, or of a K + 1 verify), kernels interleaved within each repeat
+so that load on the shared machine hits all alike; medians; the read bandwidth of a 512 MB sum in
+the same repeats (the memory floor: weight bytes / bandwidth). For each kernel: whether it is
+batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit), which decides
+whether speculative verification can take all its rows in one call and stay exact.
+Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
+context through the reference model of each engine (attention per token as the exactness tests run
+it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step.
+
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--engines out/default/engines/target ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, wide_layout
+from pipeline.reference.checkpoint import quantize_int8
+
+HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
+ROWS = (1, 2, 4, 6, 8)
+
+
+def smollm2_shapes(layers: int = LAYERS) -> list[tuple[int, int]]:
+    """(out, in) of every linear one SmolLM2-135M forward runs, in order."""
+    return [s for _ in range(layers) for s in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))] + [(VOCAB, HIDDEN)]
+
+
+def int4_kernel(w: torch.Tensor, act_dtype: torch.dtype):
+    """torch's packed int4 CPU kernel (groups of 64, asymmetric as torch packs it), activations in act_dtype."""
+    out_features, in_features = w.shape
+    group = 64
+    groups = w.reshape(out_features, in_features // group, group)
+    low, high = groups.amin(2), groups.amax(2)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous().to(act_dtype)  # [G, out, 2]
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(act_dtype), packed, group, scales_zeros)
+
+
+def fbgemm_dynamic(w: torch.Tensor):
+    """torch.ao's dynamic int8 linear (fbgemm): one activation scale for the whole batch."""
+    q, scale = quantize_int8(w)
+    qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(), torch.zeros(len(scale), dtype=torch.long),
+                                    0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)
+
+
+def onednn_prepacked(w: torch.Tensor):
+    """oneDNN's prepacked fp32 linear (torch.utils.mkldnn)."""
+    from torch.utils import mkldnn
+
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data = w
+    packed = mkldnn.to_mkldnn(linear)
+    return lambda x: packed(x.to_mkldnn()).to_dense()
+
+
+def int_mm_per_token(w: torch.Tensor):
+    """Per-token W8A8 through torch._int_mm (int8 x int8 -> int32), the alternative to fbgemm."""
+    q, scale = quantize_int8(w)
+    q_t = q.t()  # [in, out] view: _int_mm's faster layout for one row (measured)
+
+    def run(x):
+        row_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        x_q = torch.round(x / row_scale).clamp(-127, 127).to(torch.int8)
+        return torch._int_mm(x_q, q_t).float() * row_scale * scale
+    return run
+
+
+def int8_project(kernel_cls):
+    """A project int8 kernel over the per-channel quantization of w."""
+    def build(w: torch.Tensor):
+        q, scale = quantize_int8(w)
+        return kernel_cls(q, scale)
+    return build
+
+
+KERNELS = {
+    "fp32 F.linear": lambda w: (lambda x, w=w: F.linear(x, w)),
+    "fp32 F.linear, wide layout (DenseLinear)": DenseLinear,
+    "fp32 oneDNN prepacked": onednn_prepacked,
+    "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
+    "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
+    "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
+    "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(Int8PerToken),
+    "int8 W8A8 per-token, torch._int_mm": int_mm_per_token,
+    "int8 fbgemm dynamic, per-batch act scale": fbgemm_dynamic,
+    "int4 packed, bf16 act": lambda w: int4_kernel(w, torch.bfloat16),
+    "int4 packed, fp32 act": lambda w: int4_kernel(w, torch.float32),
+}
+
+
+def batch_invariant(fns: list, shapes: list[tuple[int, int]]) -> bool:
+    """Rows of a 6-row call equal the same rows alone, bit for bit (first layer's matrices and the output layer)."""
+    g = torch.Generator().manual_seed(1)
+    for fn, (_out, inp) in list(zip(fns, shapes))[:4] + [(fns[-1], shapes[-1])]:
+        x = torch.randn(6, inp, generator=g)
+        y = fn(x)
+        if not all(torch.equal(y[r:r + 1], fn(x[r:r + 1])) for r in range(6)):
+            return False
+    return True
+
+
+def bandwidth_gbs(buffer: torch.Tensor) -> float:
+    """GB/s of one sum over buffer."""
+    start = time.perf_counter()
+    buffer.sum()
+    return buffer.numel() * buffer.element_size() / (time.perf_counter() - start) / 1e9
+
+
+def bench_kernels(names: list[str], reps: int, layers: int) -> None:
+    """Part 1: print the kernel table (ms at 1 row, ratios for more rows, invariance)."""
+    shapes = smollm2_shapes(layers)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g) * 0.02 for o, i in shapes]
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    built = {}
+    for name in names:
+        built[name] = [KERNELS[name](w) for w in weights]
+        for fn, (_o, i) in zip(built[name], shapes):
+            fn(torch.randn(1, i))  # warm-up: packing, first-call allocations
+    invariant = {name: batch_invariant(fns, shapes) for name, fns in built.items()}
+    buffer = torch.ones(512 * 2**20 // 4)
+    times = {(name, n): [] for name in built for n in ROWS}
+    bandwidth = []
+    for rep in range(reps):
+        bandwidth.append(bandwidth_gbs(buffer))
+        for name, fns in built.items():
+            for n in ROWS[rep % len(ROWS):] + ROWS[:rep % len(ROWS)]:  # rotated: no row count always runs first
+                xs = {i: torch.randn(n, i) for i in (HIDDEN, INTER)}
+                start = time.perf_counter()
+                for fn, (_o, i) in zip(fns, shapes):
+                    fn(xs[i])
+                times[(name, n)].append(time.perf_counter() - start)
+    bw = statistics.median(bandwidth)
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; read bandwidth "
+          f"median {bw:.1f} GB/s (best {max(bandwidth):.1f}); fp32 weights {fp32_bytes / 1e6:.0f} MB -> floor "
+          f"{fp32_bytes / bw / 1e6:.1f} ms; {layers} layers + output layer, median of {reps}")
+    print("| kernel | batch-invariant | n=1 | " + " | ".join(f"n={n}" for n in ROWS[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(ROWS) - 1))
+    for name in built:
+        base = statistics.median(times[(name, 1)])
+        ratios = " | ".join(f"{statistics.median(times[(name, n)]) / base:.2f}x" for n in ROWS[1:])
+        print(f"| {name} | {'yes' if invariant[name] else 'no'} | {base * 1000:.1f} ms | {ratios} |", flush=True)
+
+
+def bench_model(engine_dirs: list[str], reps: int, context: int = 128, new: int = 6) -> None:
+    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine; prints ms and ratios.
+
+    Two attention modes: batch-invariant (every token its own SDPA call, as the exactness tests run)
+    and batched (one masked SDPA per sequence, as serving runs); the linears are the same in both.
+    """
+    from pipeline.reference.model import LlamaModel, SequenceInput
+
+    models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
+    ids = [(7 * i + 3) % 1000 + 10 for i in range(context + new)]
+    caches = {}
+    for d, model in models.items():
+        kv = model.new_kv_cache(-(-(context + new) // 32), 32)
+        model([SequenceInput(ids[:context], 0, list(range(kv.num_blocks)))], kv)
+        caches[d] = kv
+    cases = [(1, True), (new, True), (new, False)]
+    times = {(d, case): [] for d in models for case in cases}
+    buffer = torch.ones(512 * 2**20 // 4)
+    bandwidth = []
+    for _ in range(reps):
+        bandwidth.append(bandwidth_gbs(buffer))
+        for d, model in models.items():
+            for n, invariant in cases:
+                model.batch_invariant = invariant
+                seq = SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)),
+                                    logits_rows=list(range(n)))
+                start = time.perf_counter()
+                model([seq], caches[d])
+                times[(d, (n, invariant))].append(time.perf_counter() - start)
+    bw = statistics.median(bandwidth)
+    print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forward after {context} "
+          f"cached tokens, median of {reps}")
+    print(f"| engine | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, batched "
+          "attention | ratio | roofline share at 1 token |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, model in models.items():
+        one, *many = (statistics.median(times[(d, case)]) for case in cases)
+        floor = model.weight_bytes / bw / 1e9
+        print(f"| {d} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+              + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
+
+
+def main() -> None:
+    """CLI (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="fewer layers for a quick look")
+    parser.add_argument("--only", default="", help="comma-separated substrings of kernel names")
+    parser.add_argument("--engines", nargs="*", default=[], help="engine folders for part 2 (model forwards)")
+    parser.add_argument("--skip-kernels", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    with torch.inference_mode():
+        if not args.skip_kernels:
+            wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
+            bench_kernels(wanted, args.reps, args.layers)
+        if args.engines:
+            bench_model(args.engines, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The reference model's linear-layer kernels on CPU, one per weight format, chosen by measurement.
+
+`make bench-kernels` (pipeline/apps/bench_kernels.py) times the candidates on SmolLM2's shapes for 1-8
+rows and checks which are batch-invariant; docs/engine.md has the numbers. Each kernel maps
+x [T, in] (the model's compute dtype) to [T, out] in the same dtype and says whether a row's result
+is bit-for-bit independent of the other rows (`batch_invariant`): the model then verifies K + 1
+tokens in one call instead of row by row, and speculative output still equals plain output.
+
+- DenseLinear: F.linear on the compute dtype (fp32 wide matrices in the transposed layout, see
+  `wide_layout`). Not batch-invariant: MKL's fp32 GEMM rounds differently for different row counts.
+- Int8WeightOnly (W8A16, int8_wo): int8 per-channel weights, 16-bit activations as TensorRT-LLM's
+  W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
+  it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
+- Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic 8-bit activations times int8 weights with
+  int32 accumulation (fbgemm), then the row scale times the channel scale. Integer sums are exact,
+  so a row's result cannot depend on the rest of the batch.
+- Float16Weights (the output layer of quantized engines, as TensorRT-LLM keeps it in 16 bits):
+  fbgemm's fp16-weight GEMM, fp32 activations and accumulation (batch-invariant, measured).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+
+
+def wide_layout(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [out, in] with out > in as a view over [in, out] storage (else unchanged).
+
+    F.linear on such a view runs x @ W^T as a row-major [in, out] GEMV, which reads memory about
+    1.5-2x faster on these CPUs for wide outputs (lm_head, qkv, gate_up); narrow outputs (down)
+    are faster in the usual layout, and bf16 / fp16 are 25x SLOWER in the transposed one.
+    Measured with torch 2.13 on the 2-core development machines.
+    """
+    wide = weight.dtype == torch.float32 and weight.shape[0] > weight.shape[1]
+    return weight.t().contiguous().t() if wide else weight
+
+
+class DenseLinear:
+    """x @ weight.T (+ bias) on the compute dtype."""
+
+    batch_invariant = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = wide_layout(weight), bias  # [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.weight, self.bias])
+
+
+class Int8WeightOnly:
+    """W8A16: bf16-rounded input times int8 per-channel weights (`_weight_int8pack_mm`), then + bias."""
+
+    batch_invariant = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 smoother: torch.Tensor | None = None):
+        self.q = q.contiguous()  # int8 [out, in]
+        self.scale = scale.to(torch.bfloat16)  # [out]
+        self.bias = bias
+        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_smoother is not None:
+            x = x * self.inv_smoother.to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.q, self.scale, self.bias, self.inv_smoother])
+
+
+class Int8PerToken:
+    """W8A8: per-row dynamic int8 activations x int8 per-channel weights, exact int32 sums (fbgemm).
+
+    fbgemm's dynamic int8 linear (`quantized::linear_dynamic`, torch.ao's dynamic quantization)
+    picks ONE activation range for the whole batch, so a row's rounding would depend on the other
+    rows. Here every row is first divided by its own max |x| (s_i), so all values lie in [-1, 1], and
+    a pinning row holding exactly -1 and 1 is appended: the batch range is then always [-1, 1],
+    every row is rounded on the same 8-bit grid (its own range, per token), the integer sums are
+    exact, and the output row times s_i is the per-token W8A8 result whatever else is in the batch.
+    Measured 2-3x faster than `torch._int_mm` or oneDNN's qlinear on SmolLM2's shapes for 1-8 rows
+    (`make bench-kernels`). On CPUs without AVX512-VNNI fbgemm's u8 x s8 pairs may saturate in 16 bits
+    (deterministic and per row: results stay batch-invariant, precision drops).
+    """
+
+    batch_invariant = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 smoother: torch.Tensor | None = None):
+        with warnings.catch_warnings():  # torch deprecates quantized tensor creation; fbgemm's prepack still takes one
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(q.contiguous(), scale.double(),
+                                                               torch.zeros(len(scale), dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.pin = torch.zeros(1, q.shape[1])  # the pinning row: range exactly [-1, 1]
+        self.pin[0, 0], self.pin[0, -1] = 1.0, -1.0
+        self.bias = bias
+        self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
+        self.weight_nbytes = q.numel() + scale.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.inv_smoother is not None:
+            xf = xf * self.inv_smoother
+        row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # [T, 1]
+        y = torch.ops.quantized.linear_dynamic(torch.cat([xf / row_scale, self.pin]), self.packed, False)[:-1]
+        y = (y * row_scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return self.weight_nbytes + tensor_bytes([self.bias, self.inv_smoother])
+
+
+class Float16Weights:
+    """fp16 weights, fp32 activations and accumulation (fbgemm's prepacked fp16 GEMM), output in x's dtype."""
+
+    batch_invariant = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+        self.bias = bias
+        self.weight_nbytes = weight.numel() * 2  # fp16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return self.weight_nbytes + tensor_bytes([self.bias])
+
+
+def tensor_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the given tensors (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
