@@ -4,9 +4,9 @@
   transformers and saved as an HF float32 safetensors checkpoint with its tokenizer.
 - SmolLM2-135M-draft-L4: a draft derived from the target without training: its first 4 decoder
   layers plus the final norm and the (tied) embeddings. Same tokenizer by construction.
-- SmolLM2-135M-medusa-random / SmolLM2-135M-eagle-random: RANDOMLY INITIALIZED, UNTRAINED heads
-  in the public FasterDecoding/Medusa and SafeAILab/EAGLE-1/2 formats. Plumbing only: they exercise
-  conversion, engines and serving, and their acceptance is near zero.
+- SmolLM2-135M-medusa-random / SmolLM2-135M-eagle-random / SmolLM2-135M-eagle3-random: RANDOMLY
+  INITIALIZED, UNTRAINED heads in the public FasterDecoding/Medusa, SafeAILab/EAGLE-1/2 and EAGLE-3
+  formats. Plumbing only: they exercise conversion, engines and serving, and their acceptance is near zero.
 Every folder is written to a temporary name and renamed when complete, so a second run is instant.
 The same generators make tiny heads for tests (pipeline/toymodels.py makes the tiny base models).
 """
@@ -193,6 +193,54 @@ def make_random_eagle(target: Path, folder: Path, seed: int = 0, dtype: str = "f
     return folder
 
 
+def make_random_eagle3(target: Path, folder: Path, seed: int = 0, dtype: str = "float16",
+                       draft_vocab_size: int | None = None) -> Path:
+    """An untrained EAGLE-3 draft (SafeAILab format, `pipeline/contracts/head-checkpoint-formats.md` (c)): midlayer.*
+    (q/k/v over 2H), fc [H, 3H], norm, lm_head [Vd, H], N(0, 0.02); with draft_vocab_size < V a random draft
+    vocabulary with its d2t (target_id = draft_id + d2t[draft_id]) and t2d maps. No embed_tokens (taken from the target)."""
+    if _complete(folder):
+        return folder
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((target / "config.json").read_text())
+    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    nh = config["num_attention_heads"]
+    nkv = config.get("num_key_value_heads") or nh
+    hd = config.get("head_dim") or H // nh
+    vd = draft_vocab_size or V
+    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    generator = torch.Generator().manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.02).to(torch_dtype)
+
+    m = "midlayer."
+    weights = {
+        f"{m}self_attn.q_proj.weight": normal(nh * hd, 2 * H), f"{m}self_attn.k_proj.weight": normal(nkv * hd, 2 * H),
+        f"{m}self_attn.v_proj.weight": normal(nkv * hd, 2 * H), f"{m}self_attn.o_proj.weight": normal(H, nh * hd),
+        f"{m}mlp.gate_proj.weight": normal(I, H), f"{m}mlp.up_proj.weight": normal(I, H), f"{m}mlp.down_proj.weight": normal(H, I),
+        **{f"{m}{n}.weight": torch.ones(H, dtype=torch_dtype) for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")},
+        "fc.weight": normal(H, 3 * H), "norm.weight": torch.ones(H, dtype=torch_dtype), "lm_head.weight": normal(vd, H),
+    }
+    if vd < V:
+        kept = torch.randperm(V, generator=generator)[:vd].sort().values  # [Vd] target ids of the draft vocabulary
+        weights["d2t"] = kept - torch.arange(vd)
+        weights["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill(0, kept, True)
+    eagle_config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
+                    "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "num_hidden_layers": 1,
+                    "max_position_embeddings": config.get("max_position_embeddings", 2048),
+                    "rms_norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta, "vocab_size": V,
+                    "draft_vocab_size": vd, "torch_dtype": dtype, "tie_word_embeddings": False,
+                    "untrained": True, "note": UNTRAINED_NOTE}
+    with _staged(folder) as tmp:
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(eagle_config, indent=2) + "\n")
+        (tmp / "README.md").write_text(f"EAGLE-3 draft for {target.name}. {UNTRAINED_NOTE}\n")
+    return folder
+
+
 def make_models(out: str | Path = "models") -> dict[str, Path]:
     """Every checkpoint the example specs name; already complete folders are kept as they are."""
     out = Path(out)
@@ -202,6 +250,7 @@ def make_models(out: str | Path = "models") -> dict[str, Path]:
         "draft": out / f"SmolLM2-135M-draft-L{DRAFT_LAYERS}",
         "medusa": out / "SmolLM2-135M-medusa-random",
         "eagle": out / "SmolLM2-135M-eagle-random",
+        "eagle3": out / "SmolLM2-135M-eagle3-random",
     }
     if all(_complete(p) for p in paths.values()):
         print(f"models: all {len(paths)} checkpoints present in {out}/ (nothing to do)")
@@ -210,6 +259,7 @@ def make_models(out: str | Path = "models") -> dict[str, Path]:
     make_truncated_draft(target, paths["draft"])
     make_random_medusa(target, paths["medusa"])
     make_random_eagle(target, paths["eagle"])
+    make_random_eagle3(target, paths["eagle3"], draft_vocab_size=32768)
     for name, path in paths.items():
         print(f"models: {name:7s} {path}")
     return paths

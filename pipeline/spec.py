@@ -66,6 +66,8 @@ class EagleSpec:
     num_layers: int = 3  # depth of the EAGLE tree; every choice path must be at most this deep
     max_non_leaves_per_layer: int = 4
     dynamic_tree_top_k: int = 4  # EAGLE-2 dynamic tree width (reference toolchain)
+    # EAGLE-3: target layers whose outputs the head fuses; default TensorRT-LLM's (1, L//2 - 1, L - 4)
+    layers_to_capture: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,9 @@ def check_combinations(spec: Spec) -> None:
         if spec.toolchain == "trtllm" and s.eagle.version == 3:
             raise SpecError("speculative.eagle.version", "EAGLE-3 has no TensorRT engine converter in TensorRT-LLM 1.2.1",
                             "use EAGLE-1/2 weights, or toolchain: reference")
+        if s.eagle.layers_to_capture is not None and s.eagle.version != 3:
+            raise SpecError("speculative.eagle.layers_to_capture", f"is for EAGLE-3 heads, but version is {s.eagle.version}",
+                            "remove it, or set version: 3")
         depth = max(len(c) for c in s.eagle.choices)
         if depth > s.eagle.num_layers:
             raise SpecError("speculative.eagle.num_layers", f"{s.eagle.num_layers} is shallower than the deepest choice ({depth})",
