@@ -270,6 +270,15 @@ def test_engine_stored_heads_propose_like_their_source_folders(tiny_llama, tmp_p
     from_engine = engine_proposer(config, state, target, dynamic_top_k=2).propose(inp)
     from_folder = EagleProposer.from_eagle_dir(eagle_dir, target, dynamic_top_k=2).propose(inp)
     assert from_engine[0].token_ids == from_folder[0].token_ids and from_engine[0].parents == from_folder[0].parents
+
+    heads = make_random_eagle3(tiny_llama, tmp_path / "eagle3", dtype="float32", draft_vocab_size=256)
+    state = {f"eagle.{k}": v for k, v in load_file(heads / "model.safetensors").items()}
+    config = {"eagle": {"version": 3, "num_eagle_layers": 3, "max_draft_len": 8, "max_non_leaves_per_layer": 4, **net,
+                        "draft_vocab_size": 256, "layers_to_capture": [0, 1, 2]}}
+    inp3 = [ProposalInput("a", [7, 8, 9, 10, 11, 12], 6, hidden_states=torch.randn(5, 3 * 64, generator=g))]
+    from_engine = engine_proposer(config, state, target, choices=MEDUSA_CHOICES).propose(inp3)
+    from_folder = EagleProposer.from_eagle_dir(heads, target, choices=MEDUSA_CHOICES, layers_to_capture=(0, 1, 2)).propose(inp3)
+    assert from_engine == from_folder and len(from_engine[0].token_ids) == 6
     assert engine_proposer({"medusa": None, "eagle": None}, {}, target) is None
 
 
