@@ -140,6 +140,9 @@ def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Comm
 def check_plan_rules(spec: Spec) -> None:
     """Rules of the trtllm toolchain that the reference toolchain does not have."""
     e = spec.speculative.eagle
+    if e is not None and e.version == 3:
+        raise SpecError("speculative.eagle.version", "EAGLE-3 has no TensorRT engine converter in TensorRT-LLM 1.2.1",
+                        "use toolchain: trtllm-llmapi (PyTorch backend) or reference")
     if e is not None:
         depth = max(len(c) for c in e.choices)
         if depth != e.num_layers:
