@@ -34,15 +34,17 @@ plan: venv
 
 # The trained stand-in pair for the engine benchmark (6-layer/384 target, 1-layer/128 draft; minutes, cached).
 trained-pair: venv
-	$(PY) -m pipeline.trainpair --out models/trained-pair
+	$(PY) -m specfixtures.trainpair --out models/trained-pair
 
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
 bench-engine: venv models trained-pair
-	$(PY) -m pipeline.bench_engine $(ARGS)
+	$(PY) -m specapps.bench_engine $(ARGS)
 
-engines: venv
-	PY=$(PY) bash build/engines.sh $(SPEC) $(ARGS)
+# Build (or reuse from the cache) the engines of a spec; with toolchain trtllm on a machine without a GPU this
+# writes out/<name>/trtllm/build_engines.sh for a GPU host (docs/trtllm.md).
+engines: venv models
+	$(PY) -m pipeline engines $(SPEC) $(ARGS)
 
 # Kubernetes: write each deploy/overlays/*/generated/ component from its example spec and render the
 # overlays to out/deploy/<overlay>.yaml (kubectl with kustomize); deploy-check also runs the deploy tests.
@@ -67,7 +69,7 @@ demo: venv models
 
 # Triton vs engine throughput (concurrency 1 and 8) and per-round orchestration overhead -> docs/benchmarks.md.
 bench-serve: venv models
-	$(PY) -m pipeline.bench_serve $(SPEC) $(ARGS)
+	$(PY) -m specapps.bench_serve $(SPEC) $(ARGS)
 
 deploy-check: deploy-render
 	$(PY) -m pytest tests/test_deploy.py $(ARGS)

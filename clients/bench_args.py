@@ -1,4 +1,5 @@
-"""Arguments of the serving benchmark, and its `python -m pipeline bench SPEC` subcommand.
+"""Arguments of the serving benchmark (`python -m clients bench run`, and `python -m pipeline bench SPEC`
+through specapps/bench.py).
 
 Kept apart from clients/bench.py so that registering the subcommand imports nothing heavy: the
 pipeline CLI stays fast for validate/inspect/plan.
@@ -37,23 +38,3 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("out/bench"))
 
-
-def add_parser(subparsers) -> None:
-    """Register `python -m pipeline bench SPEC`: the sweep against the spec's server (ports from the spec)."""
-    from pipeline.cli import add_spec_arguments
-
-    p = subparsers.add_parser("bench", help="load-test the running server (TTFT, TPOT, acceptance, speedup vs K)")
-    add_spec_arguments(p)
-    add_run_arguments(p)
-    p.set_defaults(func=_run_for_spec)
-
-
-def _run_for_spec(args: argparse.Namespace) -> int:
-    from clients.bench import config_from_args, run_and_report
-    from pipeline.cli import spec_from_args
-
-    spec = spec_from_args(args, check_paths=False)
-    s = spec.serving
-    port = s.grpc_port if args.protocol == "grpc" else s.http_port
-    return run_and_report(config_from_args(args, f"{s.host}:{port}", f"http://{s.host}:{s.metrics_port}/metrics"),
-                          args.out)

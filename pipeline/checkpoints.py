@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.modes import traits
 from pipeline.spec import Spec, SpecError, named_checkpoints
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -399,19 +400,20 @@ def inspect_spec(spec: Spec) -> Report:
     report.checks.append(f"target architecture {target.architecture} is supported")
     s = spec.speculative
     heads = {}
-    if s.mode == "draft_target":
+    mode = traits(s.mode)
+    if mode.has_draft_engine:
         draft = read_checkpoint(spec.models.draft.checkpoint, "models.draft.checkpoint")
         report.models["draft"] = draft
         report.warnings += check_tokenizers(target, draft)
         report.checks.append("draft and target tokenizers map every token to the same id and share special tokens")
         if draft.num_layers >= target.num_layers and draft.hidden_size >= target.hidden_size:
             report.warnings.append("the draft is as large as the target: speculation cannot pay off")
-    elif s.mode == "medusa":
+    elif mode.heads_field == "medusa":
         heads, warnings = check_medusa(spec, target)
         report.warnings += warnings
         report.checks.append(f"{heads['num_heads']} Medusa heads x {heads['num_layers']} layers match hidden "
                              f"{target.hidden_size} / vocab {target.vocab_size}")
-    elif s.mode == "eagle":
+    elif mode.heads_field == "eagle":
         heads, warnings = check_eagle(spec, target)
         report.warnings += warnings
         report.checks.append(f"EAGLE-{s.eagle.version} weights match hidden {target.hidden_size} / vocab {target.vocab_size}")

@@ -3,8 +3,8 @@
 A user error (bad spec, incompatible checkpoints, models that cannot fit) prints one line
 `error: <field path>: <problem>; fix: <fix>` and exits 2, without a traceback.
 
-Other modules add a subcommand by exposing `add_parser(subparsers)` (calling `add_spec_arguments`
-on their parser and `set_defaults(func=handler)`, handler(args) -> exit code) and listing their
+Other modules add a subcommand by exposing `add_parser(subparsers)` (calling
+pipeline.cliargs.add_spec_arguments on their parser and `set_defaults(func=handler)`, handler(args) -> exit code) and listing their
 module in SUBCOMMAND_MODULES. They import heavy packages (torch) inside the handler, so
 `validate`, `inspect` and `plan` stay fast on a machine without an ML stack.
 """
@@ -15,25 +15,16 @@ import argparse
 import importlib
 import sys
 
-from pipeline.spec import SpecError, load_spec
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.spec import SpecError
+from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "clients.bench_args", "pipeline.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
 
-
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """The SPEC positional and repeatable `--set key.path=value` overrides."""
-    parser.add_argument("spec", help="the spec YAML file, e.g. examples/default.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set models.draft.qformat=int4_wo (repeatable)")
-
-
-def spec_from_args(args: argparse.Namespace, check_paths: bool = True):
-    """Load the spec named by parsed arguments, with its overrides."""
-    return load_spec(args.spec, args.overrides, check_paths=check_paths)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -54,20 +45,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the steps and keys, or with --dry-run the trtllm shell script for a GPU host."""
-    from pipeline import plan as planning
+    from specbuild import plan as planning
     from pipeline.checkpoints import inspect_spec
 
     spec = spec_from_args(args)
     inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
     if args.dry_run:
-        from pipeline.trtllm import render_script
+        from specbuild.toolchains import toolchain_module
 
-        sys.stdout.write(render_script(planning.make_plan(spec, "trtllm")))
+        sys.stdout.write(toolchain_module(GPU_TOOLCHAIN).build_script(planning.make_plan(spec, GPU_TOOLCHAIN)))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
     if notice:
         print(notice)
-    from pipeline.execute import describe_plan
+    from specbuild.execute import describe_plan
 
     print(describe_plan(planning.make_plan(spec, toolchain)))
     return 0
@@ -75,14 +66,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_engines(args: argparse.Namespace) -> int:
     """Build (or reuse from the cache) every engine of the spec."""
-    from pipeline.execute import run_engines
+    from specbuild.execute import run_engines
 
     return run_engines(spec_from_args(args), toolchain=args.toolchain)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     """Extract SmolLM2-135M-Instruct and derive the example draft and heads under models/."""
-    from pipeline.models import make_models
+    from specfixtures.models import make_models
 
     make_models(args.out)
     return 0
@@ -104,12 +95,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the build steps and their cache keys")
     add_spec_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the trtllm shell script a GPU host runs as is")
-    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="plan for this toolchain instead of the spec's")
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), help="plan for this toolchain instead of the spec's")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("engines", help="build the engines (cached)")
     add_spec_arguments(p)
-    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="use this toolchain instead of the spec's")
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), help="use this toolchain instead of the spec's")
     p.set_defaults(func=cmd_engines)
 
     p = sub.add_parser("models", help="extract SmolLM2 and make the example draft/heads under models/")

@@ -29,7 +29,11 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from pipeline import __version__, stack
+from pipeline.cliargs import add_spec_arguments
+from pipeline.modes import traits
+from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GENERATED = "generated"  # the component folder inside an overlay
@@ -42,16 +46,11 @@ FILES_MOUNT = PurePosixPath("/etc/specdeploy")
 READY = "READY"
 # Triton's own shutdown wait for in-flight requests; the pod's 120 s grace covers preStop (15 s) + this.
 EXIT_TIMEOUT_S = 90
-TARGET_MODEL = "tensorrt_llm"  # the model whose queue the autoscaler watches
-DRAFT_MODEL = "tensorrt_llm_draft"
 KV_FRACTION_PARAM = "kv_cache_free_gpu_mem_fraction"  # engine models' config.pbtxt parameter
 # Recording rules (PrometheusRule) and the HPA's Pods metric served by the Prometheus adapter.
 QUEUE_RATIO_RECORD = "triton:queue_compute:ratio"
 ACCEPTANCE_RECORD = "specdecode:acceptance_rate:rate5m"
 HPA_METRIC = "triton_queue_compute_ratio"
-# Counters the tensorrt_llm_bls model exports on Triton's metrics port.
-DRAFT_TOKENS_METRIC = "spec_decode_draft_tokens_total"
-ACCEPTED_TOKENS_METRIC = "spec_decode_accepted_tokens_total"
 # The example spec each overlay of deploy/overlays/ is rendered from by `make deploy-render`.
 EXAMPLE_SPECS = {"cpu-reference": "examples/default.yaml", "gpu-draft-target": "examples/draft-target.yaml",
                  "gpu-medusa": "examples/medusa.yaml", "gpu-eagle": "examples/eagle.yaml"}
@@ -70,7 +69,7 @@ class Checkpoint:
 
     role: str
     cluster: str  # /models/<build-key>/<role>
-    digest: str  # pipeline.plan.folder_digest, as hashed into the build key
+    digest: str  # specbuild.plan.folder_digest, as hashed into the build key
     files: tuple[str, ...]  # the files that digest covers (what a download fetches)
     image_path: str | None  # the same folder inside the pipeline image, when it lies in this project
     hf_repo: str | None  # a Hugging Face repo id to download it from
@@ -149,7 +148,7 @@ def acceptance_floor(spec: Spec) -> float:
     without a draft model (n-gram, Medusa, EAGLE heads) use that alone.
     """
     floor = spec.speculative.min_acceptance_rate
-    if spec.speculative.mode != "draft_target":
+    if not traits(spec.speculative.mode).has_draft_engine:
         return floor
     from pipeline.checkpoints import inspect_spec
 
@@ -158,10 +157,10 @@ def acceptance_floor(spec: Spec) -> float:
 
 
 def overlay_toolchain(overlay: Path) -> str:
-    """trtllm when the overlay uses the GPU component, else reference."""
+    """The GPU toolchain (trtllm) when the overlay uses the GPU component, else the CPU one (reference)."""
     kustomization = read_kustomization(overlay)
     uses_gpu = any(str(c).rstrip("/").endswith(GPU_COMPONENT) for c in kustomization.get("components") or [])
-    return "trtllm" if uses_gpu else "reference"
+    return GPU_TOOLCHAIN if uses_gpu else CPU_TOOLCHAIN
 
 
 def read_kustomization(overlay: Path) -> dict:
@@ -195,8 +194,9 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
-    from pipeline.plan import Plan, checkpoint_files, make_plan
     from pipeline.repo.assemble import EngineInfo, repo_models
+    from specbuild.plan import Plan, checkpoint_files, make_plan
+    from specbuild.toolchains import toolchain_module
 
     hf_repos = dict(hf_repos or {})
     if spec.toolchain not in ("auto", toolchain):
@@ -222,14 +222,10 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
     target = EngineInfo.planned(spec, "target", Path("target"))
-    draft = EngineInfo.planned(spec, "draft", Path("draft")) if spec.speculative.mode == "draft_target" else None
+    draft = EngineInfo.planned(spec, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
     models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
     kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
-    script = None
-    if toolchain == "trtllm":
-        from pipeline.trtllm import render_script
-
-        script = render_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
+    script = toolchain_module(toolchain).build_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
                       kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(spec),
@@ -241,7 +237,7 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
 
 def server_command(d: DeployPlan) -> list[str]:
     """The Triton container's command: `pipeline serve` (reference) or tritonserver (trtllm)."""
-    if d.toolchain == "reference":
+    if not toolchain_traits(d.toolchain).gpu:
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
     s = d.spec.serving
     # What TensorRT-LLM's launch_triton_server.py --multi-model --world_size=1 runs (one tritonserver
@@ -273,7 +269,7 @@ def deployment_patch(d: DeployPlan) -> dict:
                   {"name": "grpc", "containerPort": s.grpc_port}, {"name": "metrics", "containerPort": s.metrics_port}],
     }
     pod: dict = {"containers": [container]}
-    if d.toolchain == "trtllm":
+    if toolchain_traits(d.toolchain).gpu:
         container["resources"] = _gpu_resources(d.gpu_count)
         # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
         container["env"] = [{"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)}]
@@ -299,7 +295,7 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
     stage-checkpoints. trtllm-build is the second init container (the GPU component appends it).
     """
     ops = [{"op": "replace", "path": "/metadata/name", "value": f"specdeploy-engine-build-{d.build_key}"}]
-    if d.toolchain == "trtllm":
+    if toolchain_traits(d.toolchain).gpu:
         gpus = "/spec/template/spec/initContainers/1/resources/{}/nvidia.com~1gpu"
         ops += [{"op": "add", "path": gpus.format("limits"), "value": d.gpu_count},
                 {"op": "add", "path": gpus.format("requests"), "value": d.gpu_count},
@@ -311,6 +307,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
     """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
     namespace = f'namespace="{d.namespace}"' if d.namespace else ""
     pods = ", ".join(filter(None, [namespace, 'pod=~"specdeploy-triton-.*"']))
+    # the autoscaler watches the target's queue
     queue = f'rate(nv_inference_queue_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     compute = f'rate(nv_inference_compute_infer_duration_us{{{pods}, model="{TARGET_MODEL}"}}[1m])'
     accepted = f"rate({ACCEPTED_TOKENS_METRIC}{{{pods}}}[5m])"
@@ -323,7 +320,7 @@ def prometheus_rule(d: DeployPlan) -> dict:
     ]
     threshold = d.acceptance_floor
     alerts = []
-    if d.spec.speculative.mode != "none":
+    if traits(d.spec.speculative.mode).speculates:
         alerts.append({
             "alert": "SpeculativeAcceptanceCollapsed",
             "expr": f"{ACCEPTANCE_RECORD}{{{namespace}}} < {threshold}" if namespace else f"{ACCEPTANCE_RECORD} < {threshold}",
@@ -381,7 +378,7 @@ def render_component(d: DeployPlan) -> dict[str, str]:
         "prometheusrule.yaml": header + yaml.safe_dump(prometheus_rule(d), sort_keys=False),
         "engine-build-job.yaml": header + yaml.safe_dump(build_job_patch(d), sort_keys=False),
     }
-    if d.toolchain == "trtllm":
+    if d.trtllm_script is not None:
         out["trtllm.sh"] = trtllm_job_script(d)
     return out
 
@@ -420,7 +417,7 @@ def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
 
 def stage_checkpoints(manifest: Path) -> list[str]:
     """Put every checkpoint of checkpoints.json at its dest (copy from the image, else download), check digests."""
-    from pipeline.plan import DigestCache, folder_digest
+    from specbuild.plan import DigestCache, folder_digest
 
     done = []
     for item in json.loads(Path(manifest).read_text()):
@@ -461,10 +458,10 @@ def build_in_cluster(spec_file: Path, toolchain: str) -> str:
     ready = spec.output.dir / READY  # output.dir is /engines/<build-key>
     if ready.exists():
         return f"build key {spec.output.dir.name} is ready; nothing to do"
-    if toolchain == "reference":
-        from pipeline.execute import run_engines
+    if toolchain_traits(toolchain).engines_built_here:
+        from specbuild.execute import run_engines
 
-        code = run_engines(spec, toolchain="reference")
+        code = run_engines(spec, toolchain=toolchain)
         if code:
             raise DeployError("engines", f"the reference engine build failed (exit code {code})", "read the Job's log above")
     repo = assemble(spec, toolchain)
@@ -488,8 +485,6 @@ def parse_hf_repos(items: list[str]) -> dict[str, str]:
 
 def add_parser(subparsers) -> None:
     """Register `deploy SPEC --overlay DIR`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("deploy", help="write the spec-derived kustomize component of a deploy/ overlay")
     add_spec_arguments(p)
     p.add_argument("--overlay", type=Path, required=True, help="e.g. deploy/overlays/cpu-reference")
@@ -509,7 +504,7 @@ def run_deploy(args: argparse.Namespace) -> int:
 
 def describe(d: DeployPlan, overlay: Path) -> str:
     """One line: what was written where."""
-    where = f"{d.gpu_count} GPU(s) per pod" if d.toolchain == "trtllm" else "CPU"
+    where = f"{d.gpu_count} GPU(s) per pod" if toolchain_traits(d.toolchain).gpu else "CPU"
     return f"wrote {overlay / GENERATED} (spec {d.spec.name}, build key {d.build_key}, toolchain {d.toolchain}, {where})"
 
 
@@ -524,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("manifest", type=Path)
     p = sub.add_parser("build", help="build engines and the model repository, then write READY")
     p.add_argument("spec", type=Path)
-    p.add_argument("--toolchain", choices=["reference", "trtllm"], required=True)
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), required=True)
     args = parser.parse_args(argv)
     try:
         if args.step == "examples":

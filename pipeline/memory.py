@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pipeline.modes import traits
 from pipeline.spec import ModelSpec, Spec, SpecError
 
 GIB = 1024 ** 3
@@ -72,10 +73,11 @@ def head_bytes(spec: Spec, info, heads: dict) -> tuple[int, int]:
     """(weight bytes, extra KV layers) of Medusa heads or EAGLE nets added to the target engine."""
     H, V = info.hidden_size, info.vocab_size
     dense = DTYPE_BYTES[spec.models.target.dtype]
-    if spec.speculative.mode == "medusa":
+    heads_field = traits(spec.speculative.mode).heads_field
+    if heads_field == "medusa":
         per_head = heads["num_layers"] * (H * H + H) + V * H  # resblocks + LM head (copied in when absent)
         return heads["num_heads"] * per_head * dense, 0
-    if spec.speculative.mode == "eagle":
+    if heads_field == "eagle":
         eh, inter = heads["hidden_size"], heads["intermediate_size"]
         nh, nkv, hd = heads["num_attention_heads"], heads["num_key_value_heads"], heads["head_size"]
         layer = eh * nh * hd * 2 + eh * nkv * hd * 2 + 3 * eh * inter

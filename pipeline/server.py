@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+
 # The stub ignores PYTHONPATH but puts its working directory on sys.path: models import `pipeline`
 # because the server runs from the project root.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -267,8 +269,6 @@ def serve_forever(server: TritonServer) -> None:
 
 def add_parser(subparsers) -> None:
     """Register `serve SPEC`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("serve", help="start Triton on the spec's model repository (reference toolchain)")
     add_spec_arguments(p)
     p.add_argument("--repo", type=Path, help="model repository (default: <out_dir>/model_repo)")
@@ -278,8 +278,6 @@ def add_parser(subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`python -m pipeline serve SPEC`: start Triton on the spec's assembled repository and wait."""
-    from pipeline.cli import spec_from_args
-
     spec = spec_from_args(args)
     repo = args.repo or spec.out_dir / "model_repo"
     s = spec.serving

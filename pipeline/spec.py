@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline.modes import traits
+
 Dtype = Literal["float16", "bfloat16", "float32"]
 QFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"]
 KvCacheDtype = Literal["none", "fp8", "int8"]
@@ -337,17 +339,17 @@ def check_combinations(spec: Spec) -> None:
         raise SpecError("speculative.num_draft_tokens",
                         f"{s.num_draft_tokens} is larger than speculative.max_draft_len ({s.max_draft_len})",
                         "lower num_draft_tokens or raise max_draft_len")
-    needs = {"draft_target": "models.draft", "medusa": "speculative.medusa", "eagle": "speculative.eagle"}
+    mode = traits(s.mode)
     present = {"models.draft": spec.models.draft, "speculative.medusa": s.medusa, "speculative.eagle": s.eagle}
     for where, value in present.items():
-        if value is not None and needs.get(s.mode) != where:
+        if value is not None and mode.requires != where:
             raise SpecError(where, f"is set but speculative.mode is {s.mode!r}",
                             f"remove {where} or set speculative.mode to the mode that uses it")
-    if s.mode in needs and present[needs[s.mode]] is None:
-        raise SpecError(needs[s.mode], f"is required for speculative.mode {s.mode!r}", f"add the {needs[s.mode]} section")
-    if s.ngram is not None and s.mode != "ngram":
+    if mode.requires is not None and present[mode.requires] is None:
+        raise SpecError(mode.requires, f"is required for speculative.mode {s.mode!r}", f"add the {mode.requires} section")
+    if s.ngram is not None and not mode.bls_lookup:
         raise SpecError("speculative.ngram", f"is set but speculative.mode is {s.mode!r}", "remove it or use mode ngram")
-    if s.mode == "none":
+    if not mode.speculates:
         if s.max_draft_len or s.num_draft_tokens:
             raise SpecError("speculative.max_draft_len", "draft lengths are set but speculative.mode is 'none'",
                             "set speculative.mode or remove max_draft_len / num_draft_tokens")
@@ -357,7 +359,7 @@ def check_combinations(spec: Spec) -> None:
         if s.num_draft_tokens < 1:
             raise SpecError("speculative.num_draft_tokens", f"must be at least 1 for mode {s.mode!r}",
                             "set e.g. num_draft_tokens: 4")
-    if s.use_draft_logits and s.mode != "draft_target":
+    if s.use_draft_logits and not mode.has_draft_engine:
         raise SpecError("speculative.use_draft_logits", f"needs a draft model, but mode is {s.mode!r}",
                         "set it to false or use mode draft_target")
     if s.ngram is not None and not 1 <= s.ngram.min_ngram <= s.ngram.max_ngram:

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from pipeline.serving.params import BlsSettings, RequestError, parse_text_request
+from pipeline.serving.errors import RequestError
+from pipeline.serving.params import BlsSettings, parse_text_request
 from pipeline.serving.text import (IncrementalDetokenizer, from_word_list_format, load_tokenizer, postprocess,
                                    preprocess, to_word_list_format)
 

@@ -4,8 +4,10 @@ Every client path (gRPC/HTTP x stream/non-stream x sync/async) must return the s
 with the server's statistics; failures must be one clear line (ClientError / `error:` on stderr).
 """
 
+import ast
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +17,7 @@ import pytest
 
 from clients.chat import ChatTemplate, ChatTemplateError
 from clients.client import AsyncTritonClient, ClientError, GenerateRequest, SamplingParams, TritonClient
+from pipeline import names
 from pipeline.server import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,18 +210,40 @@ def test_cli_errors_are_one_line(triton_server):
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
-def test_clients_import_neither_torch_nor_the_engine():
+def test_clients_import_neither_torch_nor_the_pipeline():
+    """clients/ is standalone: it installs with the light `clients` extra and imports nothing from pipeline/."""
     code = textwrap.dedent("""
         import importlib.abc, sys
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith(("torch.", "pipeline.reference", "transformers")):
+                if name in ("torch", "pipeline", "transformers") or name.startswith(("torch.", "pipeline.")):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import clients, clients.cli, clients.chat, clients.openai_server, clients.bench
+        import clients, clients.cli, clients.chat, clients.openai_server, clients.bench, clients.bench_args
         print("ok", "torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok False"
+
+
+def test_clients_speak_the_servers_names():
+    """clients/ spells the wire names as literals (it cannot import pipeline.names): each metric it reads and
+    each model it asks for or defaults to must be one the model repository has."""
+    metrics, models = set(), set()
+    for path in (ROOT / "clients").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("spec_decode_"):
+                if re.fullmatch(r"spec_decode_[a-z_]+", node.value):
+                    metrics.add(node.value)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "model_config":
+                models.add(node.args[0].value)
+            elif isinstance(node, ast.keyword) and node.arg == "model" and isinstance(node.value, ast.Constant):
+                models.add(node.value.value)
+            elif isinstance(node, ast.arguments):  # defaults of parameters named model
+                params = node.args + node.kwonlyargs
+                defaults = [None] * (len(node.args) - len(node.defaults)) + list(node.defaults) + list(node.kw_defaults)
+                models.update(d.value for a, d in zip(params, defaults) if a.arg == "model" and isinstance(d, ast.Constant))
+    assert metrics and metrics <= set(names.SPEC_DECODE_METRICS)
+    assert {names.ENSEMBLE_MODEL, names.PREPROCESSING_MODEL, names.BLS_MODEL} <= models <= set(names.MODEL_NAMES)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipeline.models import make_random_eagle, make_random_medusa
-from pipeline.plan import make_plan
+from specfixtures.models import make_random_eagle, make_random_medusa
+from specbuild.plan import make_plan
 from pipeline.reference.checkpoint import (dequantize_linear, load_engine, quantize_fp8, quantize_int4, quantize_int8,
                                            quantize_linear, unpack_int4)
-from pipeline.reference.convert import awq_scale, build_engine, calibration_inputs, convert_checkpoint
+from specbuild.convert import awq_scale, build_engine, calibration_inputs, convert_checkpoint
 from pipeline.spec import load_spec
 
 SPEC = """\
@@ -161,8 +161,8 @@ def test_smollm2_default_engine_matches_transformers(tmp_path):
     """The real model: `models` extracts SmolLM2 (cached in models/), the default spec builds, logits match HF."""
     from pathlib import Path
 
-    from pipeline.execute import run_engines
-    from pipeline.models import make_models
+    from specbuild.execute import run_engines
+    from specfixtures.models import make_models
 
     repo = Path(__file__).resolve().parents[1]
     paths = make_models(repo / "models")

@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline import __version__, deploy, stack
-from pipeline.plan import make_plan
+from pipeline import __version__, deploy, names, stack
+from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
 
 KUBERNETES_VERSION = "1.32"  # the schema version the manifests are validated against
@@ -87,8 +87,8 @@ CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny target + draft, untrained Medusa heads and EAGLE weights for that target."""
-    from pipeline.models import make_random_eagle, make_random_medusa
-    from pipeline.toymodels import make_derived_pair
+    from specfixtures.models import make_random_eagle, make_random_medusa
+    from specfixtures.toymodels import make_derived_pair
 
     root = tmp_path_factory.mktemp("ckpt")
     target, draft = make_derived_pair(root / "pair", eps=0.15)
@@ -265,20 +265,22 @@ def promql_metric_names(expr: str) -> set[str]:
     return set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", expr)) - {"by", "ignoring", "on", "without"}
 
 
-def bls_metric_names() -> dict[str, str]:
-    """Constant name -> metric name of pipeline/serving/metrics.py, read from its source (it imports
-    triton_python_backend_utils, which exists only inside Triton)."""
+def bls_metric_names() -> set[str]:
+    """The spec_decode_* metric families pipeline/serving/metrics.py creates, read from its source (it imports
+    triton_python_backend_utils, which exists only inside Triton): the pipeline.names constant each
+    MetricFamily(...) call is given."""
     tree = ast.parse(BLS_METRICS.read_text())
-    return {node.targets[0].id: node.value.value for node in tree.body
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-            and node.value.value.startswith("spec_decode_")}
+    created = {node.args[0].id for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and isinstance(node.func, ast.Attribute) and node.func.attr == "MetricFamily" and node.args
+               and isinstance(node.args[0], ast.Name)}
+    return {getattr(names, c) for c in created if getattr(names, c).startswith("spec_decode_")}
 
 
 def known_metric_names() -> set[str]:
     """Triton's metrics used here, the BLS's metrics and our recorded series."""
     triton = {"nv_inference_request_success", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
               "nv_inference_compute_infer_duration_us", "up"}
-    return triton | set(bls_metric_names().values()) | {deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD}
+    return triton | bls_metric_names() | {deploy.QUEUE_RATIO_RECORD, deploy.ACCEPTANCE_RECORD}
 
 
 @needs_kubectl
@@ -317,9 +319,7 @@ def test_monitoring_objects_structurally(rendered, case):
 
 
 def test_bls_exports_the_counters_the_rules_use():
-    names = bls_metric_names()
-    assert names["DRAFT_TOKENS"] == deploy.DRAFT_TOKENS_METRIC
-    assert names["ACCEPTED_TOKENS"] == deploy.ACCEPTED_TOKENS_METRIC
+    assert {deploy.DRAFT_TOKENS_METRIC, deploy.ACCEPTED_TOKENS_METRIC} <= bls_metric_names()
 
 
 @needs_kubectl
@@ -513,7 +513,7 @@ def test_values_agree_with_the_spec(rendered, case):
 @needs_kubectl
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gpu-")])
 def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, case):
-    from pipeline.trtllm import parse_script
+    from specbuild.toolchains.trtllm import parse_script
 
     d, objects = rendered[case]
     script = files_of(objects)["trtllm.sh"]

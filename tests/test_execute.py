@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.execute import run_engines
-from pipeline.plan import make_plan
+from specbuild.execute import run_engines
+from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_manifest_lists_keys_inputs_versions_sizes_and_times(spec_file, capsys):
 
 def test_an_interrupted_step_leaves_the_cache_consistent(spec_file, monkeypatch, capsys):
     spec = load_spec(spec_file)
-    import pipeline.reference.convert as convert
+    import specbuild.convert as convert
 
     real = convert.build_engine
 
@@ -147,7 +147,7 @@ def test_engines_command_end_to_end(spec_file):
     assert first.returncode == 0 and "built 4 of 4 steps" in first.stdout, first.stderr
     assert second.returncode == 0 and "nothing to do" in second.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in second.stderr.splitlines() if line.startswith("import time:")}
-    assert "pipeline.execute" in imported and "torch" not in imported  # a cache hit loads no ML stack
+    assert "specbuild.execute" in imported and "torch" not in imported  # a cache hit loads no ML stack
 
 
 def test_fp8_kv_cache_is_refused_by_the_reference_toolchain(spec_file):

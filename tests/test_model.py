@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.reference.model import LlamaModel, SequenceInput, config_from_hf, perplexity
-from pipeline.toymodels import tiny_config
+from specfixtures.toymodels import tiny_config
 
 BLOCK = 16
 
@@ -206,7 +206,7 @@ def test_smollm2_quantized_weights_run_with_small_perplexity_change():
     from transformers import AutoTokenizer
 
     from pipeline.reference.checkpoint import dequantize_linear, is_quantized_linear, quantize_linear
-    from pipeline.toymodels import local_text
+    from pipeline.corpus import local_text
 
     path = find_smollm2()
     if path is None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import make_random_eagle, make_random_eagle3, make_random_medusa
-from pipeline.plan import build_key, make_plan
+from specfixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
+from specbuild.plan import build_key, make_plan
 from pipeline.spec import SpecError, load_spec
-from pipeline.trtllm import Command, ContractError, check_command, parse_script, render_script
+from specbuild.toolchains.trtllm import Command, ContractError, check_command, parse_script, render_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

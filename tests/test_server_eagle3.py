@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.models import make_random_eagle3
+from specfixtures.models import make_random_eagle3
 from tests.test_server_medusa import MAX_TOKENS, _greedy
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
 from tests.triton_fixtures import serving, write_spec

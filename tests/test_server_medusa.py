@@ -12,7 +12,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from pipeline.models import make_random_medusa
+from specfixtures.models import make_random_medusa
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
 from tests.triton_fixtures import serving, write_spec
 
@@ -23,7 +23,7 @@ CHOICES = [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
 @pytest.fixture(scope="module")
 def medusa_server(tmp_path_factory, derived_pair):
     """ONE server on a tiny target with random Medusa heads (repository assembled by the real pipeline)."""
-    from pipeline.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.spec import load_spec
 
     folder = tmp_path_factory.mktemp("medusa-spec")

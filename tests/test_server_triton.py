@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from pipeline.toymodels import local_text
+from pipeline.corpus import local_text
 from tests.triton_fixtures import DRAFT_MAX_SEQ_LEN
 
 MAX_TOKENS = 24

@@ -111,3 +111,13 @@ def test_cli_valid_spec(spec_file):
 def test_every_example_is_a_valid_spec(example):
     spec = load_spec(example, check_paths=False)
     assert spec.models.target.checkpoint.is_relative_to(REPO / "models")
+
+
+def test_every_mode_has_its_traits():
+    """The spec's modes and the traits table (pipeline/modes.py) list the same modes."""
+    import typing
+
+    from pipeline.modes import MODES
+    from pipeline.spec import Mode
+
+    assert set(typing.get_args(Mode)) == set(MODES)

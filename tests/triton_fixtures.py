@@ -1,7 +1,7 @@
 """Session fixtures for tests against a real Triton server (registered in tests/conftest.py).
 
 - `tiny_spec_engines`: a draft_target spec over the derived tiny pair (fp32, ~58% greedy acceptance),
-  with reference engines built by the real pipeline (`pipeline.execute.run_reference`).
+  with reference engines built by the real pipeline (`specbuild.toolchains.reference.run_reference`).
 - `triton_server`: the spec's model repository assembled by `pipeline.repo.assemble` and ONE
   tritonserver (pipeline.server.TritonServer, free ports, unique shm prefix) shared by every test
   of the session. The draft engine's config is given a short max_seq_len (DRAFT_MAX_SEQ_LEN), so a
@@ -91,7 +91,7 @@ def write_spec(folder: Path, target: Path, draft: Path, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_spec_engines(tmp_path_factory, derived_pair) -> SpecEngines:
     """Spec + reference engines for the derived pair (built once per session)."""
-    from pipeline.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.spec import load_spec
 
     folder = tmp_path_factory.mktemp("triton-spec")

@@ -28,8 +28,9 @@ from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.reference.rejection_sampler import DraftToVerify, verify
-from pipeline.reference.sampling import SamplingParams, find_stop, make_generator, probabilities, process_logits
+from pipeline.reference.sampling import SamplingParams, make_generator, probabilities, process_logits
 from pipeline.reference.tree import chain_parents, node_depths, path_to
+from pipeline.sequences import find_stop
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]
@@ -416,7 +417,7 @@ class LLMEngine:
         seq.prefilled = True
         new = verdict.token_ids[:req.max_new_tokens - seq.num_generated]
         seq.tokens += new
-        keep, reason = find_stop(seq.tokens[seq.num_prompt:], len(new), req.sampling)
+        keep, reason = find_stop(seq.tokens[seq.num_prompt:], len(new), req.sampling.end_id, req.sampling.stop_words)
         if keep < len(new):
             del seq.tokens[len(seq.tokens) - len(new) + keep:]
         new = new[:keep]

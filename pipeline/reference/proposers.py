@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from pipeline.sequences import ngram_lookup
+
 
 @dataclass
 class ProposalInput:
@@ -92,16 +94,7 @@ class NgramProposer:
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier match of the longest matching suffix."""
-        if k <= 0:
-            return []
-        context = torch.tensor(token_ids, dtype=torch.long)  # [L]
-        for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
-            windows = context[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a following token
-            hits = (windows == context[-n:]).all(dim=1).nonzero().flatten()  # [matches] start positions
-            if hits.numel():
-                start = int(hits[-1]) + n  # first token after the latest match
-                return token_ids[start:start + k]
-        return []
+        return ngram_lookup(token_ids, k, self.min_ngram, self.max_ngram)
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         """Nothing to learn."""

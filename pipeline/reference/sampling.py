@@ -106,19 +106,3 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return scaled.softmax(dim=-1)
-
-
-def find_stop(generated: list[int], num_new: int, params: SamplingParams) -> tuple[int, str | None]:
-    """Check the last `num_new` generated tokens for end_id / stop words.
-
-    Returns (how many of the new tokens to keep, finish reason or None). end_id is dropped from the
-    output; a stop word is kept.
-    """
-    start = len(generated) - num_new
-    for i in range(start, len(generated)):
-        if params.end_id is not None and generated[i] == params.end_id:
-            return i - start, "end_id"
-        for word in params.stop_words:
-            if i + 1 >= len(word) and generated[i + 1 - len(word):i + 1] == word:
-                return i + 1 - start, "stop"
-    return num_new, None

@@ -3,7 +3,7 @@
 TensorRT-LLM builds Medusa and EAGLE into the target engine and reads the tree at run time
 (`medusa_choices` / `eagle_choices` parameters of the tensorrt_llm model). The reference engine does
 the same: `pretrained_config.medusa` / `.eagle` say what rank0.safetensors holds (`medusa_heads.*`,
-`eagle.*`, written by pipeline/reference/convert.py), and this module turns them into a proposer.
+`eagle.*`, written by build/specbuild/convert.py), and this module turns them into a proposer.
 """
 
 from __future__ import annotations

@@ -6,31 +6,31 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
+
 
 def add_parser(subparsers) -> None:
     """Register `repo SPEC`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("repo", help="assemble and validate the Triton model repository")
     add_spec_arguments(p)
-    p.add_argument("--toolchain", choices=["trtllm", "reference"], help="assemble for this toolchain instead of the spec's")
+    p.add_argument("--toolchain", choices=list(TOOLCHAINS), help="assemble for this toolchain instead of the spec's")
     p.set_defaults(func=run_repo)
 
 
 def run_repo(args: argparse.Namespace) -> int:
     """`python -m pipeline repo SPEC`: write <out_dir>/model_repo (and the trtllm repository + launch script)."""
-    from pipeline.cli import spec_from_args
-    from pipeline.plan import resolve_toolchain
     from pipeline.repo.assemble import assemble
     from pipeline.repo.launch import write_launch_script
+    from specbuild.plan import resolve_toolchain
 
     spec = spec_from_args(args)
     toolchain = args.toolchain or resolve_toolchain(spec)[0]
-    # A reference spec also gets the trtllm repository: the same service for a GPU host.
-    for tc in ("reference", "trtllm") if toolchain == "reference" else ("trtllm",):
+    # A CPU spec also gets the GPU toolchain's repository: the same service for a GPU host.
+    for tc in (toolchain,) if toolchain_traits(toolchain).gpu else (toolchain, GPU_TOOLCHAIN):
         repo = assemble(spec, tc)
         print(f"model repository ({tc}): {repo}  [validated: configs parse as Triton ModelConfig, "
               "tensors match NVIDIA's interface, limits match the engines]")
-        if tc == "trtllm":
+        if toolchain_traits(tc).launch_script:
             print(f"launch script: {write_launch_script(spec, repo)}")
     return 0

@@ -16,9 +16,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
+from pipeline.toolchains import toolchain_traits
 
 MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
 
@@ -53,7 +55,7 @@ class EngineInfo:
     def planned(cls, spec: Spec, role: str, path: Path) -> "EngineInfo":
         """The engine the trtllm build script will produce (it is built on the GPU host, not here)."""
         from pipeline.checkpoints import read_checkpoint
-        from pipeline.plan import build_params
+        from specbuild.plan import build_params
 
         bp = build_params(spec, role)
         model = spec.models.target if role == "target" else spec.models.draft
@@ -91,17 +93,17 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
         "exclude_input_in_output": "true",
         "batch_scheduler_policy": "guaranteed_no_evict",
     }
-    if name == "tensorrt_llm" and s.mode == "medusa":
-        params.update(decoding_mode="medusa", medusa_choices=_choices_brace(s.medusa.choices))
-    if name == "tensorrt_llm" and s.mode == "eagle":
-        params.update(decoding_mode="eagle", eagle_choices=_choices_brace(s.eagle.choices))
-        if toolchain == "reference" and s.eagle.version == 2:  # the reference engine grows EAGLE-2's dynamic tree
-            params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)
-    if toolchain == "trtllm":
+    heads_field = traits(s.mode).heads_field
+    if name == "tensorrt_llm" and heads_field is not None:  # the engine speculates itself on its heads' tree
+        params.update({"decoding_mode": traits(s.mode).engine_decoding_mode,
+                       f"{heads_field}_choices": _choices_brace(getattr(s, heads_field).choices)})
+        if heads_field == "eagle" and toolchain_traits(toolchain).grows_eagle2_tree and s.eagle.version == 2:
+            params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
+    if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
     return ModelConfigSpec(
-        name=name, backend="tensorrtllm" if toolchain == "trtllm" else "python",
+        name=name, backend=toolchain_traits(toolchain).engine_backend,
         max_batch_size=spec.engine.max_batch_size, inputs=iface.inputs, outputs=iface.outputs,
         decoupled=True, instance_count=1,
         # A decoupled model batches in flight itself: no queue delay in front of it.
@@ -144,11 +146,12 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "max_seq_len": str(target.max_seq_len),
         # A verify call sends the whole sequence as input_ids: TensorRT-LLM bounds it by max_input_len,
         # the reference python model accepts up to max_seq_len - 1.
-        "verify_input_len": str(target.max_input_len if toolchain == "trtllm" else target.max_seq_len - 1),
+        "verify_input_len": str(target.max_input_len if toolchain_traits(toolchain).verify_bounded_by_max_input_len
+                                else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "min_acceptance_rate": str(s.min_acceptance_rate),
     }
-    if s.mode == "ngram":
+    if traits(s.mode).bls_lookup:
         params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
     iface = interface("tensorrt_llm_bls")
     return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
@@ -173,13 +176,13 @@ def ensemble_model(spec: Spec) -> ModelConfigSpec:
 
 def engine_infos(spec: Spec, toolchain: str) -> tuple[EngineInfo, EngineInfo | None]:
     """Target and draft engine facts: read from built engines (reference) or from the plan (trtllm)."""
-    has_draft = spec.speculative.mode == "draft_target"
-    if toolchain == "trtllm":
-        engines = spec.out_dir / "trtllm" / "engines"  # where the generated build script links them
+    has_draft = traits(spec.speculative.mode).has_draft_engine
+    tc = toolchain_traits(toolchain)
+    engines = spec.out_dir / tc.out_subdir / "engines"
+    if not tc.engines_built_here:  # the GPU host's build script links them there
         target = EngineInfo.planned(spec, "target", engines / "target")
         draft = EngineInfo.planned(spec, "draft", engines / "draft") if has_draft else None
     else:
-        engines = spec.out_dir / "engines"
         target = EngineInfo.from_engine_dir(engines / "target")
         draft = EngineInfo.from_engine_dir(engines / "draft") if has_draft else None
     return target, draft
@@ -199,7 +202,7 @@ def repo_models(spec: Spec, toolchain: str, target: EngineInfo, draft: EngineInf
 
 def repo_dir(spec: Spec, toolchain: str) -> Path:
     """Where `assemble` writes: <out_dir>/model_repo (reference) or <out_dir>/trtllm/model_repo."""
-    return spec.out_dir / "model_repo" if toolchain == "reference" else spec.out_dir / "trtllm" / "model_repo"
+    return spec.out_dir / toolchain_traits(toolchain).out_subdir / "model_repo"
 
 
 def write_repo(models: list[ModelConfigSpec], dest: Path) -> Path:

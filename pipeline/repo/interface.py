@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.names import MODEL_NAMES
+
 CONTRACT_PATH = Path(__file__).resolve().parent.parent / "contracts" / "triton-trtllm-backend-models.json"
-MODEL_NAMES = ("preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls", "ensemble")
 LOGITS_DATATYPE = "TYPE_FP32"
 # Values for the data-type placeholders of the templates (what NVIDIA's docs fill in).
 DATATYPE_PLACEHOLDERS = {

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from pipeline import stack
+from pipeline.modes import traits
 from pipeline.repo.assemble import MODEL_CODE_DIR
 from pipeline.spec import Spec
 
@@ -20,7 +21,7 @@ LAUNCHER = "/app/scripts/launch_triton_server.py"
 
 def launch_command(spec: Spec, repo: Path) -> list[str]:
     """The launch_triton_server.py command: one process, each tensorrt_llm model spawning its own ranks."""
-    engine_models = ["tensorrt_llm"] + (["tensorrt_llm_draft"] if spec.speculative.mode == "draft_target" else [])
+    engine_models = ["tensorrt_llm"] + (["tensorrt_llm_draft"] if traits(spec.speculative.mode).has_draft_engine else [])
     s = spec.serving
     return ["python3", LAUNCHER, f"--model_repo={repo}", "--world_size=1", "--multi-model",
             f"--tensorrt_llm_model_name={','.join(engine_models)}",
@@ -32,7 +33,7 @@ def render_launch_script(spec: Spec, repo: Path) -> str:
     """The bash script text."""
     project = MODEL_CODE_DIR.parent
     engines = spec.out_dir / "trtllm" / "engines"
-    roles = ["target"] + (["draft"] if spec.speculative.mode == "draft_target" else [])
+    roles = ["target"] + (["draft"] if traits(spec.speculative.mode).has_draft_engine else [])
     tokenizer = spec.models.target.checkpoint  # pre/postprocessing and the BLS load the target's tokenizer
     q = shlex.quote
     lines = [

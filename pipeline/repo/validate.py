@@ -19,6 +19,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from pipeline.modes import traits
 from pipeline.repo.interface import EXTENSIONS, MODEL_NAMES, Interface, TensorSpec, contract_interface
 from pipeline.spec import Spec
 
@@ -109,7 +110,7 @@ def check_engines(configs: dict[str, mc.ModelConfig], spec: Spec, target, draft)
                             "regenerate the repository with `make repo`")
     bls = configs["tensorrt_llm_bls"]
     k = int(_param(bls, "num_draft_tokens", "0"))
-    if k > target.max_draft_len and spec.speculative.mode in ("draft_target", "ngram"):
+    if k > target.max_draft_len and traits(spec.speculative.mode).bls_drafts:
         raise RepoError("tensorrt_llm_bls", f"num_draft_tokens {k} exceeds the target engine's max_draft_len {target.max_draft_len}",
                         f"lower speculative.num_draft_tokens to <= {target.max_draft_len} or rebuild with a larger max_draft_len")
     if _param(bls, "use_draft_logits") == "true":

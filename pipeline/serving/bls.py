@@ -6,7 +6,7 @@ many requests run concurrently and the target/draft engines batch them in flight
 
 Each round of a speculative request:
 1. propose K tokens: the draft model (tensorrt_llm_draft, asked for K tokens, plus its raw logits
-   when use_draft_logits) or prompt lookup (NgramProposer, in process, no model);
+   when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model);
 2. verify: one target call with input_ids = the sequence so far, draft_input_ids = the proposal
    (and draft_logits for lossless rejection sampling), request_output_len = K + 1; the target
    returns the accepted prefix plus its own next token (TensorRT-LLM's draft_tokens_external);
@@ -23,10 +23,10 @@ from typing import AsyncIterator, Callable, Protocol
 
 import numpy as np
 
-from pipeline.reference.proposers import NgramProposer
-from pipeline.reference.sampling import SamplingParams, find_stop
-from pipeline.sequences import common_prefix_len
-from pipeline.serving.params import BlsSettings, RequestError, TextRequest
+from pipeline.modes import traits
+from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
+from pipeline.serving.errors import RequestError
+from pipeline.serving.params import BlsSettings, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
 ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before min_acceptance_rate may switch it off
@@ -106,7 +106,8 @@ class SpeculativeDecoder:
         self.metrics = metrics
         self.log_warning = log_warning
         self.log_info = log_info
-        self.ngram = NgramProposer(settings.ngram_min, settings.ngram_max) if settings.speculative_mode == "ngram" else None
+        # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
+        self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
 
     def check_limits(self, req: TextRequest) -> None:
         """Speculative requests re-send the whole sequence each round: it must fit the target's input limit."""
@@ -124,14 +125,13 @@ class SpeculativeDecoder:
         """Yield token chunks for one request; the last has final=True and the request's stats."""
         self.check_limits(req)
         stats = RequestStats()
-        stops = SamplingParams(end_id=req.end_id, stop_words=req.stop_words)
         generated: list[int] = []
         speculate = self.speculates(req)
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             if not speculate or remaining == 1:
                 async for new in self._plain(req, generated, remaining, cancelled):
-                    keep, reason = find_stop(generated + new, len(new), stops)
+                    keep, reason = find_stop(generated + new, len(new), req.end_id, req.stop_words)
                     generated += new[:keep]
                     if new[:keep]:
                         yield Chunk(new[:keep])
@@ -150,7 +150,7 @@ class SpeculativeDecoder:
             stats.total_accepted_draft_tokens += accepted
             if proposed:
                 self.metrics.round(proposed, accepted)
-            keep, reason = find_stop(generated + new, len(new), stops)
+            keep, reason = find_stop(generated + new, len(new), req.end_id, req.stop_words)
             generated += new[:keep]
             if new[:keep]:
                 yield Chunk(new[:keep])
@@ -183,7 +183,7 @@ class SpeculativeDecoder:
         seed = _round_seed(req, len(generated))
         draft_logits = None
         if self.ngram is not None:
-            draft = self.ngram.lookup(seq, k)
+            draft = ngram_lookup(seq, k, *self.ngram)
         else:
             try:
                 proposal = await self.client.generate(self.settings.draft_model, seq, k, req, seed,

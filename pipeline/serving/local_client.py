@@ -15,7 +15,8 @@ import numpy as np
 
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving.bls import Generation, ModelError
-from pipeline.serving.engine_io import engine_inputs, engine_request
+from pipeline.serving.engine_io import engine_inputs
+from pipeline.serving.reference_adapter import engine_request
 from pipeline.serving.params import TextRequest
 
 

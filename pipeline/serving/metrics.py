@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-DRAFT_TOKENS = "spec_decode_draft_tokens_total"
-ACCEPTED_TOKENS = "spec_decode_accepted_tokens_total"
-ACCEPTED_PER_POSITION = "spec_decode_accepted_tokens_per_position_total"
-ACCEPTANCE_LENGTH = "spec_decode_acceptance_length"
-ROUNDS = "spec_decode_rounds_total"
-FALLBACKS = "spec_decode_draft_fallbacks_total"
-ENGINE_STEP_SECONDS = "reference_engine_step_seconds_total"
-ENGINE_STEPS = "reference_engine_steps_total"
+from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
+                            DRAFT_TOKENS_METRIC, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, FALLBACKS_METRIC,
+                            ROUNDS_METRIC)
+
 
 
 class SpecMetrics:
@@ -25,21 +21,23 @@ class SpecMetrics:
         labels = {"model": model}
         counter, histogram = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
         self.families = {
-            DRAFT_TOKENS: pb_utils.MetricFamily(DRAFT_TOKENS, "Draft tokens proposed for verification", counter),
-            ACCEPTED_TOKENS: pb_utils.MetricFamily(ACCEPTED_TOKENS, "Draft tokens the target accepted", counter),
-            ACCEPTED_PER_POSITION: pb_utils.MetricFamily(ACCEPTED_PER_POSITION,
-                                                         "Draft tokens accepted at each draft position (1-based)", counter),
-            ACCEPTANCE_LENGTH: pb_utils.MetricFamily(ACCEPTANCE_LENGTH, "Accepted draft tokens per speculative round", histogram),
-            ROUNDS: pb_utils.MetricFamily(ROUNDS, "Speculative rounds (propose + verify)", counter),
-            FALLBACKS: pb_utils.MetricFamily(FALLBACKS, "Requests that fell back to the target alone after a draft failure", counter),
+            DRAFT_TOKENS_METRIC: pb_utils.MetricFamily(DRAFT_TOKENS_METRIC, "Draft tokens proposed for verification", counter),
+            ACCEPTED_TOKENS_METRIC: pb_utils.MetricFamily(ACCEPTED_TOKENS_METRIC, "Draft tokens the target accepted", counter),
+            ACCEPTED_PER_POSITION_METRIC: pb_utils.MetricFamily(
+                ACCEPTED_PER_POSITION_METRIC, "Draft tokens accepted at each draft position (1-based)", counter),
+            ACCEPTANCE_LENGTH_METRIC: pb_utils.MetricFamily(
+                ACCEPTANCE_LENGTH_METRIC, "Accepted draft tokens per speculative round", histogram),
+            ROUNDS_METRIC: pb_utils.MetricFamily(ROUNDS_METRIC, "Speculative rounds (propose + verify)", counter),
+            FALLBACKS_METRIC: pb_utils.MetricFamily(
+                FALLBACKS_METRIC, "Requests that fell back to the target alone after a draft failure", counter),
         }
-        self.draft_tokens = self.families[DRAFT_TOKENS].Metric(labels=labels)
-        self.accepted_tokens = self.families[ACCEPTED_TOKENS].Metric(labels=labels)
-        self.rounds = self.families[ROUNDS].Metric(labels=labels)
-        self.fallbacks = self.families[FALLBACKS].Metric(labels=labels)
+        self.draft_tokens = self.families[DRAFT_TOKENS_METRIC].Metric(labels=labels)
+        self.accepted_tokens = self.families[ACCEPTED_TOKENS_METRIC].Metric(labels=labels)
+        self.rounds = self.families[ROUNDS_METRIC].Metric(labels=labels)
+        self.fallbacks = self.families[FALLBACKS_METRIC].Metric(labels=labels)
         buckets = [float(b) for b in range(max(max_draft_len, 1) + 1)]
-        self.acceptance_length = self.families[ACCEPTANCE_LENGTH].Metric(labels=labels, buckets=buckets)
-        self.per_position = [self.families[ACCEPTED_PER_POSITION].Metric(labels={**labels, "position": str(i + 1)})
+        self.acceptance_length = self.families[ACCEPTANCE_LENGTH_METRIC].Metric(labels=labels, buckets=buckets)
+        self.per_position = [self.families[ACCEPTED_PER_POSITION_METRIC].Metric(labels={**labels, "position": str(i + 1)})
                              for i in range(max(max_draft_len, 1))]
 
     def round(self, proposed: int, accepted: int) -> None:
@@ -62,8 +60,8 @@ class EngineMetrics:
     def __init__(self, model: str):
         labels = {"model": model}
         counter = pb_utils.MetricFamily.COUNTER
-        self.families = [pb_utils.MetricFamily(ENGINE_STEP_SECONDS, "Seconds the reference engine spent in step()", counter),
-                         pb_utils.MetricFamily(ENGINE_STEPS, "Scheduler steps of the reference engine", counter)]
+        self.families = [pb_utils.MetricFamily(ENGINE_STEP_SECONDS_METRIC, "Seconds the reference engine spent in step()", counter),
+                         pb_utils.MetricFamily(ENGINE_STEPS_METRIC, "Scheduler steps of the reference engine", counter)]
         self.seconds = self.families[0].Metric(labels=labels)
         self.steps = self.families[1].Metric(labels=labels)
 

@@ -10,15 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.modes import traits
+from pipeline.serving.errors import RequestError
 from pipeline.serving.text import decode_bytes_list, default_end_id, default_pad_id, words_to_ids
-
-
-class RequestError(ValueError):
-    """A bad request field; the message names the field and the fix."""
-
-    def __init__(self, field_name: str, problem: str, fix: str):
-        self.field, self.problem, self.fix = field_name, problem, fix
-        super().__init__(f"{field_name}: {problem}; fix: {fix}")
 
 
 def scalar(inputs: dict[str, np.ndarray], name: str, default=None):
@@ -191,15 +185,16 @@ def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tok
     k = settings.num_draft_tokens if k is None else int(k)
     if k < 0:
         raise RequestError("num_draft_tokens", f"{k} is negative", "use 0 (no speculation) or more")
-    if k > 0 and settings.speculative_mode in ("draft_target", "ngram") and k > settings.max_draft_len:
+    mode = traits(settings.speculative_mode)
+    if k > 0 and mode.bls_drafts and k > settings.max_draft_len:
         raise RequestError("num_draft_tokens", f"{k} exceeds the target engine's max_draft_len {settings.max_draft_len}",
                            f"use at most {settings.max_draft_len}")
-    if k > 0 and settings.speculative_mode not in ("draft_target", "ngram", "medusa", "eagle"):
+    if k > 0 and not mode.speculates:
         raise RequestError("num_draft_tokens", f"{k} > 0 but this repository has no speculative decoding",
                            "send 0, or assemble the repository from a spec with speculative.mode set")
     use_logits = scalar(inputs, "use_draft_logits")
     use_logits = settings.use_draft_logits if use_logits is None else bool(use_logits)
-    if use_logits and k > 0 and settings.speculative_mode != "draft_target":
+    if use_logits and k > 0 and not mode.has_draft_engine:
         raise RequestError("use_draft_logits", "needs a draft model", "set it to false")
     for name in ("beam_width", "num_return_sequences"):
         n = scalar(inputs, name)
@@ -212,7 +207,7 @@ def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tok
     pad_id = scalar(inputs, "pad_id")
     return TextRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, stream=_flag(scalar(inputs, "stream")),
-        num_draft_tokens=k if settings.speculative_mode in ("draft_target", "ngram") else 0,
+        num_draft_tokens=k if mode.bls_drafts else 0,
         use_draft_logits=use_logits, sampling=read_sampling(inputs, BLS_SAMPLING_NAMES),
         end_id=default_end_id(tokenizer) if end_id is None else int(end_id),
         pad_id=default_pad_id(tokenizer) if pad_id is None else int(pad_id),

@@ -9,6 +9,8 @@ import functools
 
 import numpy as np
 
+from pipeline.serving.errors import RequestError
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
@@ -108,8 +110,6 @@ class IncrementalDetokenizer:
 
 
 def _row_strings(arr: np.ndarray | None, row: int, name: str) -> list[str]:
-    from pipeline.serving.params import RequestError
-
     if arr is None:
         return []
     try:
@@ -136,8 +136,6 @@ def _stack_word_lists(lists: list[np.ndarray]) -> np.ndarray:
 
 def preprocess(inputs: dict[str, np.ndarray], tokenizer, add_special_tokens: bool) -> dict[str, np.ndarray]:
     """NVIDIA's preprocessing model on one (possibly batched) request: QUERY etc. -> INPUT_ID etc."""
-    from pipeline.serving.params import RequestError
-
     query = inputs["QUERY"]  # [B, 1] bytes
     batch = query.shape[0]
     ids, stops, bads = [], [], []

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving.params import RequestError
+from pipeline.serving.errors import RequestError
 
 
 def model_parameters(args: dict) -> dict[str, str]:

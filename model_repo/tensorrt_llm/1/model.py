@@ -12,9 +12,9 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.engine_io import ResponseBuilder, engine_request, load_serving_engine
+from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine
 from pipeline.serving.metrics import EngineMetrics
-from pipeline.serving.params import RequestError
+from pipeline.serving.errors import RequestError
 
 CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client went away
 

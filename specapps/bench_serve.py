@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.modes import traits
+from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
+
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
 PLAIN_TOKENS = 64
 SPEC_TOKENS = 96
@@ -39,7 +42,7 @@ class NoMetrics:
 def timed_runner(engine_dir: Path, busy: list[float]):
     """An EngineRunner over the engine as Triton serves it, adding its step() seconds to busy[0]."""
     from pipeline.reference.runner import EngineRunner
-    from pipeline.serving.engine_io import load_serving_engine
+    from pipeline.serving.reference_adapter import load_serving_engine
 
     engine = load_serving_engine(engine_dir)
 
@@ -56,7 +59,7 @@ def engine_busy_seconds(metrics_url: str) -> float:
 
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         return sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                   if line.startswith("reference_engine_step_seconds_total{"))
+                   if line.startswith(ENGINE_STEP_SECONDS_METRIC + "{"))
 
 
 def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[float, int]:
@@ -97,7 +100,7 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
     from clients.client import AsyncTritonClient, GenerateRequest
 
     async def run() -> tuple[float, int]:
-        async with AsyncTritonClient(grpc_url, protocol="grpc", model="tensorrt_llm_bls", timeout_s=600) as client:
+        async with AsyncTritonClient(grpc_url, protocol="grpc", model=BLS_MODEL, timeout_s=600) as client:
             start, tokens = time.perf_counter(), 0
             for i in range(0, len(texts), concurrency):
                 batch = [GenerateRequest(prompt=text, max_tokens=max_tokens, num_draft_tokens=k, request_id=f"{i}-{j}")
@@ -111,8 +114,8 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
 
 def run_bench(spec, log=print) -> str:
     """Run every measurement (engine and Triton alternating, REPEATS times, medians); returns the markdown section."""
-    from pipeline.demo import DEMO_PROMPTS, chat_prompt
-    from pipeline.execute import run_reference
+    from specapps.demo import DEMO_PROMPTS, chat_prompt
+    from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.repo.validate import load_config
     from pipeline.server import TritonServer, free_ports
@@ -120,7 +123,7 @@ def run_bench(spec, log=print) -> str:
     from pipeline.serving.local_client import LocalModelClient
     from pipeline.serving.params import BlsSettings, parse_text_request
     from pipeline.serving.text import load_tokenizer
-    from pipeline.toymodels import local_text
+    from pipeline.corpus import local_text
 
     run_reference(spec)
     repo = assemble(spec, "reference")
@@ -139,7 +142,7 @@ def run_bench(spec, log=print) -> str:
 
     busy = [0.0]
     runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
-    if spec.speculative.mode == "draft_target":
+    if traits(spec.speculative.mode).has_draft_engine:
         runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
     decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log, log_info=lambda m: None)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
@@ -212,7 +215,7 @@ def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None
 
 
 def main(argv=None) -> int:
-    """`python -m pipeline.bench_serve SPEC`."""
+    """`python -m specapps.bench_serve SPEC`."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's models run (pipeline.server.server_env)
     from pipeline.spec import load_spec
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pipeline.corpus import local_text
 from pipeline.reference.checkpoint import (CONFIG_FILE, DTYPES, KV_CACHE_QUANT_ALGO, QUANT_ALGO, WEIGHTS_FILE,
                                            int4_values, is_quantized_linear, quantize_linear, save_engine)
 from pipeline.reference.model import config_from_hf
@@ -66,8 +67,6 @@ def load_weights(folder: Path, allow_pickle: bool, names: tuple[str, ...] = ()) 
 
 def calibration_batch(tokenizer, n: int) -> torch.Tensor:
     """[n, CALIB_SEQ_LEN] token ids of local text; chat models get it as chat turns (their serving format)."""
-    from pipeline.toymodels import local_text
-
     text = local_text(200_000)
     chunk = 300  # characters per chat turn
     rows = []

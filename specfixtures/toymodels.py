@@ -8,19 +8,15 @@ agreement (teacher-forced on random ids): eps=0 100%, 0.05 ~89%, 0.1 ~70%, 0.15 
 
 from __future__ import annotations
 
-import pydoc_data.topics
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from pipeline.corpus import local_text
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def local_text(max_chars: int = 400_000) -> str:
-    """English text that ships with every CPython (pydoc topics): for tokenizers, training and prompts."""
-    return "\n".join(pydoc_data.topics.topics.values())[:max_chars]
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:

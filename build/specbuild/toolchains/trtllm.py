@@ -14,17 +14,24 @@ incompatibilities; `render_script` runs it on every command it emits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import pipeline
 from pipeline import stack
-from pipeline.plan import Plan, Step
+from pipeline.modes import traits
+from pipeline.checkpoints import inspect_spec
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
+from specbuild.execute import write_if_changed
+from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
 
-CONTRACT = Path(__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
+CONTRACT = Path(pipeline.__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
 # Script paths under $TRTLLM_EXAMPLES (TensorRT-LLM 1.2.1 layout), by contract tool name.
 SCRIPTS = {
     "convert_checkpoint_llama": "models/core/llama/convert_checkpoint.py",
@@ -248,7 +255,7 @@ def render_script(plan: Plan) -> str:
         "ENGINES_DIR": str(spec.out_dir / "trtllm" / "engines"),
         "TARGET_MODEL_DIR": str(spec.models.target.checkpoint),
     }
-    if plan.spec.speculative.mode == "draft_target":
+    if traits(plan.spec.speculative.mode).has_draft_engine:
         variables["DRAFT_MODEL_DIR"] = str(spec.models.draft.checkpoint)
     if spec.speculative.medusa is not None:
         variables["MEDUSA_DIR"] = str(spec.speculative.medusa.checkpoint)
@@ -319,3 +326,27 @@ def parse_script(script: str) -> list[tuple[str, str, Command]]:
             script_path, *args = rest
             steps.append((key, label, Command(tools[script_path.removeprefix("$TRTLLM_EXAMPLES/")], tuple(args))))
     return steps
+
+
+def versions() -> dict:
+    """The versions a trtllm step's output depends on: the pinned serving container's stack."""
+    return {"tensorrt_llm": stack.TRTLLM_VERSION, "tensorrt": stack.TENSORRT_VERSION,
+            "triton_container": stack.TRITON_CONTAINER_TAG}
+
+
+def build_script(plan: Plan) -> str:
+    """The shell script a GPU host runs (render_script)."""
+    return render_script(plan)
+
+
+def build(spec: Spec) -> int:
+    """The `engines` command: write the GPU script; run it here only when TensorRT-LLM and a GPU are present."""
+    inspect_spec(spec)
+    plan = make_plan(spec, "trtllm")
+    script = spec.out_dir / "trtllm" / "build_engines.sh"
+    write_if_changed(script, render_script(plan))
+    script.chmod(0o755)
+    if resolve_toolchain(dataclasses.replace(spec, toolchain="auto"))[0] != "trtllm":
+        print(f"wrote {script}: it must run on a GPU host inside the Triton TensorRT-LLM container (see docs/trtllm.md)")
+        return 0
+    return subprocess.call(["bash", str(script)], stdout=sys.stdout, stderr=sys.stderr)

@@ -1,6 +1,6 @@
 """Weight quality of reference engines against their float32 HF checkpoint (docs/spec.md, "Measured").
 
-    .venv/bin/python build/quant_quality.py models/SmolLM2-135M-Instruct out/int4-awq/engines/target ...
+    .venv/bin/python build/specbuild/quant_quality.py models/SmolLM2-135M-Instruct out/int4-awq/engines/target ...
 
 For each engine: its dequantized weights go into the float32 transformers model; printed are the
 top-1 agreement with float32 and the perplexity on 512 tokens of local text outside the calibration
@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pipeline.corpus import local_text  # noqa: E402
 from pipeline.reference.checkpoint import load_engine  # noqa: E402
-from pipeline.toymodels import local_text  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 

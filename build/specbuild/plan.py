@@ -21,14 +21,13 @@ from pathlib import Path
 
 from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
+from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
 KEY_LENGTH = 20  # hex characters of sha256 kept in a step key
-# Bump when pipeline/reference/convert.py changes the numbers it writes (e.g. a calibration change):
-# every reference step key changes, so stale engines are rebuilt rather than reused.
-REFERENCE_CONVERTER_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -76,16 +75,10 @@ class Plan:
 
 
 def toolchain_versions(toolchain: str) -> dict:
-    """The versions a step's output depends on, per toolchain."""
-    if toolchain == "trtllm":
-        return {"tensorrt_llm": stack.TRTLLM_VERSION, "tensorrt": stack.TENSORRT_VERSION,
-                "triton_container": stack.TRITON_CONTAINER_TAG}
-    try:
-        torch_version = importlib.metadata.version("torch")  # metadata only: torch is not imported
-    except importlib.metadata.PackageNotFoundError:
-        torch_version = None
-    return {"reference_format": stack.REFERENCE_FORMAT_VERSION, "reference_converter": REFERENCE_CONVERTER_VERSION,
-            "torch": torch_version}
+    """The versions a step's output depends on, per toolchain (its module's versions())."""
+    from specbuild.toolchains import toolchain_module
+
+    return toolchain_module(toolchain).versions()
 
 
 def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:
@@ -95,9 +88,10 @@ def resolve_toolchain(spec: Spec) -> tuple[str, str | None]:
     has_trtllm = importlib.util.find_spec("tensorrt_llm") is not None
     has_gpu = shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
     if has_trtllm and has_gpu:
-        return "trtllm", None
+        return GPU_TOOLCHAIN, None
     missing = "tensorrt_llm is not installed" if not has_trtllm else "no NVIDIA GPU is visible"
-    return "reference", f"notice: toolchain auto -> reference ({missing}); set toolchain: trtllm on a GPU host"
+    return CPU_TOOLCHAIN, (f"notice: toolchain auto -> {CPU_TOOLCHAIN} ({missing}); "
+                           f"set toolchain: {GPU_TOOLCHAIN} on a GPU host")
 
 
 # ----------------------------------------------------------------------------- digests
@@ -176,10 +170,11 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
         params["group_size"] = model.group_size
     if model.qformat in CALIBRATED_QFORMATS or model.kv_cache_dtype != "none":
         params["calib_size"] = model.calib_size
-    if role == "target" and s.mode == "medusa":
+    heads_field = traits(s.mode).heads_field if role == "target" else None
+    if heads_field == "medusa":
         heads, _warnings = check_medusa(spec, info)
         params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
-    if role == "target" and s.mode == "eagle":
+    if heads_field == "eagle":
         net, _warnings = check_eagle(spec, info)
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
                            "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
@@ -190,14 +185,10 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
 def build_params(spec: Spec, role: str) -> dict:
     """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
     s, e = spec.speculative, spec.engine
-    if role == "draft":
-        mode, draft_len = None, 0  # the draft is a plain engine; the BLS asks it for K tokens
-    elif s.mode in ("draft_target", "ngram"):
-        mode, draft_len = "draft_tokens_external", s.max_draft_len  # tokens come from outside the engine
-    elif s.mode in ("medusa", "eagle"):
-        mode, draft_len = s.mode, s.max_draft_len
-    else:
-        mode, draft_len = None, 0
+    # the draft is a plain engine (the BLS asks it for K tokens); draft_tokens_external: tokens come from
+    # outside the target engine; medusa / eagle: the target engine drafts with its heads
+    mode = None if role == "draft" else traits(s.mode).engine_decoding_mode
+    draft_len = 0 if mode is None else s.max_draft_len
     return {
         "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
         "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
@@ -210,7 +201,7 @@ def build_params(spec: Spec, role: str) -> dict:
 def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
     """(role, model) pairs that get an engine: the target, and the draft in draft_target mode."""
     roles = [("target", spec.models.target)]
-    if spec.speculative.mode == "draft_target":
+    if traits(spec.speculative.mode).has_draft_engine:
         roles.append(("draft", spec.models.draft))
     return roles
 
@@ -244,6 +235,6 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     return plan
 
 
-def build_key(spec: Spec, toolchain: str = "trtllm") -> str:
+def build_key(spec: Spec, toolchain: str = GPU_TOOLCHAIN) -> str:
     """A stable hash naming the complete engine set of `spec` (default: the GPU engines a cluster builds)."""
     return make_plan(spec, toolchain).build_key

@@ -11,7 +11,7 @@ distributions; about 10 + 4 minutes on one loaded core. Built once by
 On an oversubscribed machine run it with OMP_NUM_THREADS=1: two spinning OpenMP threads per
 process made training steps 6x slower there.
 
-    python -m pipeline.trainpair --out models/trained-pair [--target-steps 500 --draft-steps 500]
+    python -m specfixtures.trainpair --out models/trained-pair [--target-steps 500 --draft-steps 500]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from pipeline.toymodels import local_text, make_tokenizer, tiny_config
+from pipeline.corpus import local_text
+from specfixtures.toymodels import make_tokenizer, tiny_config
 
 VOCAB = 4096
 TARGET = dict(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024)

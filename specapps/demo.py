@@ -13,6 +13,10 @@ import sys
 import time
 
 from clients.client import Completion, GenerateRequest, TritonClient
+from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.modes import traits
+from pipeline.names import BLS_MODEL
+from pipeline.spec import SpecError
 
 DEMO_PROMPTS = [
     "Correct the spelling in this sentence and write it out again: \"The quikc brown fox jumpd over the lazzy dog "
@@ -34,7 +38,7 @@ def chat_prompt(tokenizer, question: str) -> str:
 def stream_once(grpc_url: str, prompt: str, num_draft_tokens: int, echo: bool) -> Completion:
     """Stream one request to tensorrt_llm_bls, echoing the text as it arrives; returns its Completion."""
     request = GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, num_draft_tokens=num_draft_tokens, request_id="demo")
-    with TritonClient(grpc_url, protocol="grpc", model="tensorrt_llm_bls", timeout_s=600) as client:
+    with TritonClient(grpc_url, protocol="grpc", model=BLS_MODEL, timeout_s=600) as client:
         start, deltas = time.perf_counter(), []
         for delta in client.stream(request):
             deltas.append(delta)
@@ -57,7 +61,7 @@ def describe(run: Completion) -> str:
 
 def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
     """Build what is missing, serve, stream the demo prompts plain and speculative; returns the run pairs."""
-    from pipeline.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.server import TritonServer, free_ports, port_is_free
     from pipeline.serving.text import load_tokenizer
@@ -103,8 +107,6 @@ def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
 
 def add_parser(subparsers) -> None:
     """Register `demo SPEC`."""
-    from pipeline.cli import add_spec_arguments
-
     p = subparsers.add_parser("demo", help="engines -> repository -> Triton -> streamed requests, plain vs speculative")
     add_spec_arguments(p)
     p.set_defaults(func=cmd_demo)
@@ -112,11 +114,8 @@ def add_parser(subparsers) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`python -m pipeline demo SPEC`."""
-    from pipeline.cli import spec_from_args
-    from pipeline.spec import SpecError
-
     spec = spec_from_args(args)
-    if spec.speculative.mode not in ("ngram", "draft_target"):
+    if not traits(spec.speculative.mode).bls_drafts:
         raise SpecError("speculative.mode", f"the demo compares BLS speculation, not {spec.speculative.mode!r}",
                         "use examples/default.yaml (ngram) or examples/draft-target.yaml")
     run_demo(spec)

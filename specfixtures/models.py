@@ -8,7 +8,7 @@
   INITIALIZED, UNTRAINED heads in the public FasterDecoding/Medusa, SafeAILab/EAGLE-1/2 and EAGLE-3
   formats. Plumbing only: they exercise conversion, engines and serving, and their acceptance is near zero.
 Every folder is written to a temporary name and renamed when complete, so a second run is instant.
-The same generators make tiny heads for tests (pipeline/toymodels.py makes the tiny base models).
+The same generators make tiny heads for tests (specfixtures/toymodels.py makes the tiny base models).
 """
 
 from __future__ import annotations

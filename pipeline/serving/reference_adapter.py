@@ -1,0 +1,216 @@
+"""The reference engine behind the tensorrt_llm tensor interface (no Triton import here; torch).
+
+`engine_request` turns a request's input arrays (NVIDIA's names: input_ids, request_output_len,
+draft_input_ids, draft_logits, end_id, runtime_top_k, ...) into an engine `Request`;
+`ResponseBuilder` turns the engine's `RequestOutput`s into the output arrays the tensorrtllm
+backend returns (output_ids [1, beams, n], sequence_length, generation_logits, acceptance counts).
+The other direction, the arrays a caller (the BLS) sends, is engine_io.py (numpy only).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.reference.engine import LLMEngine, Request, RequestOutput
+from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
+from pipeline.serving.errors import RequestError
+from pipeline.serving.params import ENGINE_SAMPLING_NAMES, read_sampling, scalar
+from pipeline.serving.text import from_word_list_format
+
+# Inputs of the tensorrtllm backend the reference engine does not implement: sending one is an error.
+UNSUPPORTED_ENGINE_INPUTS = (
+    "encoder_input_features", "encoder_output_lengths", "decoder_input_ids", "decoder_input_lengths",
+    "embedding_bias", "prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size",
+    "cross_attention_mask", "mrope_rotary_cos_sin", "mrope_position_deltas", "lora_task_id", "lora_weights",
+    "lora_config", "context_phase_params", "skip_cross_attn_blocks", "guided_decoding_guide_type",
+    "guided_decoding_guide", "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+)
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """Per-request output choices."""
+
+    streaming: bool
+    exclude_input_in_output: bool
+    return_generation_logits: bool
+    return_perf_metrics: bool
+    return_num_input_tokens: bool
+    return_num_output_tokens: bool
+
+
+def _flag(inputs, name, default=False) -> bool:
+    value = scalar(inputs, name)
+    return default if value is None else bool(value)
+
+
+def _ids(inputs: dict[str, np.ndarray], name: str) -> list[int] | None:
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    if arr.ndim == 2 and arr.shape[0] != 1:
+        raise RequestError(name, f"batch of {arr.shape[0]} rows", "send one sequence per request")
+    return [int(t) for t in arr.reshape(-1)]
+
+
+def _words(inputs: dict[str, np.ndarray], name: str) -> list[list[int]]:
+    arr = inputs.get(name)
+    if arr is None or arr.size == 0:
+        return []
+    return from_word_list_format(arr.reshape(-1, 2, arr.shape[-1])[0])
+
+
+def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input_default: bool,
+                   vocab_size: int) -> tuple[Request, ResponseOptions]:
+    """Validate tensorrt_llm inputs and build the engine request; raises RequestError."""
+    for name in UNSUPPORTED_ENGINE_INPUTS:
+        if name in inputs:
+            raise RequestError(name, "is not supported by the reference engine", f"remove {name} from the request")
+    for name in ("beam_width", "num_return_sequences"):
+        n = scalar(inputs, name)
+        if n is not None and int(n) != 1:
+            raise RequestError(name, f"{n} is not supported", f"set {name} to 1")
+    for name in ("return_log_probs", "return_context_logits"):
+        if _flag(inputs, name):
+            raise RequestError(name, "is not supported by the reference engine", f"set {name} to false")
+    prompt = _ids(inputs, "input_ids")
+    if not prompt:
+        raise RequestError("input_ids", "is missing or empty", "send the prompt's token ids")
+    length = scalar(inputs, "input_lengths")
+    if length is not None:
+        if not 0 < int(length) <= len(prompt):
+            raise RequestError("input_lengths", f"{length} does not fit input_ids of length {len(prompt)}",
+                               "send the prompt length")
+        prompt = prompt[:int(length)]
+    max_new = scalar(inputs, "request_output_len")
+    if max_new is None or int(max_new) < 1:
+        raise RequestError("request_output_len", f"{max_new} is not a positive count", "ask for at least 1 token")
+    s = read_sampling(inputs, ENGINE_SAMPLING_NAMES)
+    end_id = scalar(inputs, "end_id")
+    sampling = SamplingParams(
+        temperature=0.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, min_length=s.min_tokens,
+        end_id=None if end_id is None else int(end_id),
+        stop_words=_words(inputs, "stop_words_list"), bad_words=_words(inputs, "bad_words_list"))
+    draft = _ids(inputs, "draft_input_ids")
+    draft_probs = None
+    if draft is not None and "draft_logits" in inputs:
+        logits = torch.from_numpy(np.ascontiguousarray(inputs["draft_logits"], dtype=np.float32))
+        logits = logits.reshape(-1, logits.shape[-1])  # [k, vocab] raw draft logits
+        if logits.shape != (len(draft), vocab_size):
+            raise RequestError("draft_logits", f"shape {list(logits.shape)} is not [len(draft_input_ids), vocab] = "
+                               f"{[len(draft), vocab_size]}", "send one row of draft logits per draft token")
+        # q: what the draft sampled from. The draft request's prompt was this request's input_ids,
+        # so row r saw input_ids + draft[:r] and the same penalties and temperature/top-k/top-p.
+        contexts = [prompt + draft[:r] for r in range(len(draft))]
+        draft_probs = probabilities(process_logits(logits, contexts, len(prompt), sampling), sampling)  # [k, vocab]
+    request = Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=int(max_new), sampling=sampling,
+                      draft_tokens=draft or None, draft_probs=draft_probs if draft else None,
+                      return_generation_logits=_flag(inputs, "return_generation_logits"))
+    options = ResponseOptions(
+        streaming=_flag(inputs, "streaming"),
+        exclude_input_in_output=_flag(inputs, "exclude_input_in_output", exclude_input_default),
+        return_generation_logits=request.return_generation_logits,
+        return_perf_metrics=_flag(inputs, "return_perf_metrics"),
+        return_num_input_tokens=_flag(inputs, "return_num_input_tokens"),
+        return_num_output_tokens=_flag(inputs, "return_num_output_tokens"))
+    return request, options
+
+
+class MeteredEngine(LLMEngine):
+    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks)."""
+
+    on_step: Callable[[float], None] = staticmethod(lambda seconds: None)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step, timed."""
+        start = time.perf_counter()
+        try:
+            return super().step()
+        finally:
+            self.on_step(time.perf_counter() - start)
+
+
+def parse_choices(text: str) -> list[tuple[int, ...]]:
+    """TensorRT-LLM's brace format for medusa_choices / eagle_choices: "{0}, {0, 0}, {1}" -> [(0,), (0, 0), (1,)]."""
+    import re
+
+    choices = [tuple(int(i) for i in body.replace(" ", "").split(",") if i) for body in re.findall(r"\{([^{}]*)\}", text)]
+    if not choices or any(not c for c in choices):
+        raise ValueError(f"tree choices {text!r}: write them as brace lists, e.g. \"{{0}}, {{0, 0}}, {{1}}\"")
+    return choices
+
+
+def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) -> MeteredEngine:
+    """The engine as tensorrt_llm serves it: inputs up to max_seq_len - 1 (a verify call re-sends the whole
+    sequence as input_ids) and the engine's built tokens_per_block (32 by default): partial-block KV reuse
+    makes each such call compute only its new tokens at any block size (measured on SmolLM2 verify rounds
+    with K = 4: 5.0 tokens per round with 32-token blocks, against 24.1 with whole-block reuse only).
+
+    parameters: the model's config.pbtxt parameters. A Medusa / EAGLE engine speculates inside itself on
+    the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
+    `eagle_dynamic_tree_top_k` when that is set.
+    """
+    import json
+    from pathlib import Path
+
+    parameters = parameters or {}
+    max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
+    tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
+    top_k = parameters.get("eagle_dynamic_tree_top_k")
+    return MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1,
+                                         choices=parse_choices(tree) if tree and not top_k else None,
+                                         dynamic_top_k=int(top_k) if top_k else None)
+
+
+class ResponseBuilder:
+    """Accumulates one request's engine outputs and renders tensorrtllm-backend response arrays."""
+
+    def __init__(self, prompt_ids: list[int], options: ResponseOptions):
+        self.prompt_ids = prompt_ids
+        self.options = options
+        self.tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.sent_prompt = False
+
+    def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        """Arrays to send for this output, or None (non-streaming and not finished yet, or nothing new)."""
+        self.tokens += out.new_token_ids
+        if out.generation_logits is not None:
+            self.logits.append(out.generation_logits)
+        if self.options.streaming:
+            if not out.new_token_ids and not out.finished:
+                return None
+            return self._arrays(out.new_token_ids, [out.generation_logits] if out.generation_logits is not None else [], out)
+        if not out.finished:
+            return None
+        return self._arrays(self.tokens, self.logits, out)
+
+    def _arrays(self, new_ids: list[int], logits: list[torch.Tensor], out: RequestOutput) -> dict[str, np.ndarray]:
+        ids = list(new_ids)
+        if not self.options.exclude_input_in_output and not self.sent_prompt:
+            ids = self.prompt_ids + ids
+        self.sent_prompt = True
+        arrays = {
+            "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beams, n]
+            "sequence_length": np.array([[len(ids)]], dtype=np.int32),  # [batch, beams]
+        }
+        if self.options.return_generation_logits and logits:
+            gen = torch.cat(logits).to(torch.float32).numpy()  # [n, vocab]
+            arrays["generation_logits"] = gen.reshape(1, 1, *gen.shape)  # [batch, beams, n, vocab]
+        if self.options.return_perf_metrics or out.stats.draft_tokens:
+            st = out.stats
+            arrays["acceptance_rate"] = np.array([[st.acceptance_rate]], dtype=np.float32)
+            arrays["total_accepted_draft_tokens"] = np.array([[st.accepted_tokens]], dtype=np.int32)
+            arrays["total_draft_tokens"] = np.array([[st.draft_tokens]], dtype=np.int32)
+        if self.options.return_num_input_tokens:
+            arrays["num_input_tokens"] = np.array([[len(self.prompt_ids)]], dtype=np.int32)
+        if self.options.return_num_output_tokens:
+            arrays["num_output_tokens"] = np.array([[len(self.tokens)]], dtype=np.int32)
+        return arrays
