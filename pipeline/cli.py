@@ -17,7 +17,7 @@ import sys
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
 from pipeline.spec import SpecError
-from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
+from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
 SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
@@ -50,10 +50,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)
     inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
-    if args.dry_run:
+    if args.dry_run:  # the GPU toolchain's script: --toolchain, else the spec's if it is a GPU one, else trtllm
         from specbuild.toolchains import toolchain_module
 
-        sys.stdout.write(toolchain_module(GPU_TOOLCHAIN).build_script(planning.make_plan(spec, GPU_TOOLCHAIN)))
+        gpu = args.toolchain or (spec.toolchain if spec.toolchain in TOOLCHAINS and toolchain_traits(spec.toolchain).gpu
+                                 else GPU_TOOLCHAIN)
+        sys.stdout.write(toolchain_module(gpu).build_script(planning.make_plan(spec, gpu)))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
     if notice:

@@ -23,7 +23,7 @@ from pipeline import stack
 from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
-from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN
+from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
 
 # Files of a Hugging Face checkpoint folder that define the model (weights, configs, tokenizer).
 CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".pt", ".pth")
@@ -57,8 +57,8 @@ class Plan:
     steps: list[Step] = field(default_factory=list)
 
     def engine_step(self, role: str) -> Step:
-        """The build step whose output is `role`'s engine."""
-        return next(s for s in self.steps if s.role == role and s.kind == "build")
+        """The step whose output `role` serves: its engine build, or (no engine build) its quantize step."""
+        return [s for s in self.steps if s.role == role][-1]
 
     @property
     def roles(self) -> list[str]:
@@ -215,7 +215,11 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
     plan = Plan(spec=spec, toolchain=toolchain)
+    builds_engines = toolchain_traits(toolchain).engine_build
     for role, model in model_roles(spec):
+        if not builds_engines:  # LLM API: the HF checkpoint is served; quantizing it is the only step
+            plan.steps += quantize_steps(spec, role, model, versions, digests)
+            continue
         params = convert_params(spec, role, model)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
@@ -233,6 +237,19 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     if own_digests:
         digests.save()
     return plan
+
+
+def quantize_steps(spec: Spec, role: str, model: ModelSpec, versions: dict, digests: DigestCache) -> list[Step]:
+    """For toolchains without an engine build: one ModelOpt quantize step writing a quantized HF checkpoint,
+    or none when the model is served as it is."""
+    if model.qformat == "none" and model.kv_cache_dtype == "none":
+        return []
+    params = {"architecture": read_checkpoint(model.checkpoint, f"models.{role}.checkpoint").architecture,
+              "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
+              "calib_size": model.calib_size}
+    inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
+    return [Step(role=role, kind="quantize", params=params, inputs=inputs, versions=versions,
+                 key=_hash({"kind": "quantize", "params": params, "inputs": inputs, "versions": versions}))]
 
 
 def build_key(spec: Spec, toolchain: str = GPU_TOOLCHAIN) -> str:

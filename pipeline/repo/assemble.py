@@ -225,6 +225,14 @@ def assemble(spec: Spec, toolchain: str) -> Path:
     """Generate, write and validate the model repository of `spec` for `toolchain`; returns its folder."""
     from pipeline.repo.validate import validate_repo
 
+    if toolchain_traits(toolchain).repository == "llmapi":  # one LLM API model on HF checkpoints, no engines
+        from pipeline.llmapi import llm_args
+        from pipeline.repo.llmapi import write_llmapi_repo
+        from specbuild.plan import make_plan
+        from specbuild.toolchains import toolchain_module
+
+        dirs = toolchain_module(toolchain).model_dirs(make_plan(spec, toolchain))
+        return write_llmapi_repo(llm_args(spec, dirs), repo_dir(spec, toolchain))
     target, draft = engine_infos(spec, toolchain)
     dest = write_repo(repo_models(spec, toolchain, target, draft), repo_dir(spec, toolchain))
     validate_repo(dest, spec, target, draft)
