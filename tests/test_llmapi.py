@@ -165,3 +165,30 @@ def test_a_repository_that_disagrees_with_itself_is_caught(derived_pair, eagle3_
     model_yaml.write_text(yaml.safe_dump({**config, "speculative_config": {**config["speculative_config"], "medusa_choices": [[0]]}}))
     with pytest.raises(ContractError, match="medusa_choices"):
         validate_llmapi_repo(repo)
+
+
+def test_clients_speak_the_llmapi_model_and_refuse_per_request_speculation(derived_pair, eagle3_heads, tmp_path):
+    """The clients library maps a request onto the generated llmapi interface (text_input + sampling_param_*),
+    and refuses num_draft_tokens / use_draft_logits (the CLI, OpenAI frontend and bench all build these requests)."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from clients.client import ClientError, GenerateRequest, ModelInputs, SamplingParams, _grpc_request
+
+    repo = assemble(tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path), TC)
+    cfg = parse_pbtxt((repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    wire_type = {"TYPE_STRING": "BYTES"}
+    model = ModelInputs(cfg.name, {t.name: (wire_type.get(mc.DataType.Name(t.data_type), mc.DataType.Name(t.data_type)[5:]),
+                                            list(t.dims)) for t in cfg.input})
+    assert model.is_llmapi
+    request = GenerateRequest("Hello", max_tokens=5, sampling=SamplingParams(temperature=0.0, top_k=1, seed=3), stop_words=["x"])
+    encoded = model.encode(request.wire_fields(stream=True))
+    assert encoded == {"text_input": "Hello", "sampling_param_max_tokens": 5, "streaming": True,
+                       "sampling_param_exclude_input_from_output": True, "sampling_param_stop": ["x"],
+                       "sampling_param_return_perf_metrics": True, "sampling_param_temperature": 0.0,
+                       "sampling_param_top_k": 1, "sampling_param_seed": 3}
+    message = _grpc_request(model, request, stream=True)
+    assert {t.name: t.datatype for t in message.inputs}["sampling_param_seed"] == "UINT64"
+    for field in ({"num_draft_tokens": 4}, {"num_draft_tokens": 0}, {"use_draft_logits": True}):
+        with pytest.raises(ClientError, match="draft length is fixed per server") as err:
+            model.encode(GenerateRequest("Hello", **field).wire_fields(stream=True))
+        assert err.value.kind == "invalid_request" and "\n" not in str(err.value)
