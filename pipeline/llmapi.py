@@ -97,8 +97,10 @@ def decoding_config(spec: Spec, draft_dir: Path | None, release: str = stack.TRT
     raise SpecError("speculative.mode", f"{s.mode} has no LLM API decoding config", "use eagle (version 3), draft_target or ngram")
 
 
-def llm_args(spec: Spec, model_dirs: dict[str, Path], release: str = stack.TRTLLM_VERSION) -> dict:
-    """The `LLM(**args)` keys: model_dirs maps target (and draft) to the checkpoint served (quantized or not)."""
+def llm_args(spec: Spec, model_dirs: dict[str, Path], kv_fraction: float | None = None,
+             release: str = stack.TRTLLM_VERSION) -> dict:
+    """The `LLM(**args)` keys: model_dirs maps target (and draft) to the checkpoint served (quantized or not);
+    kv_fraction: the memory plan's free_gpu_memory_fraction (None: the spec's, else the LLM API default)."""
     check_rules(spec)
     s, e = spec.speculative, spec.engine
     draft_dir = model_dirs.get("draft") if traits(s.mode).has_draft_engine else (s.eagle.checkpoint if s.eagle else None)
@@ -107,7 +109,7 @@ def llm_args(spec: Spec, model_dirs: dict[str, Path], release: str = stack.TRTLL
     # "Draft model engine + KV cache reuse is not supported yet" before: say so explicitly
     two_model = speculative is not None and traits(s.mode).has_draft_engine
     kv = {"enable_block_reuse": bool(spec.serving.enable_kv_cache_reuse and not two_model)}
-    fraction = spec.serving.kv_cache_free_gpu_mem_fraction.target
+    fraction = kv_fraction if kv_fraction is not None else spec.serving.kv_cache_free_gpu_mem_fraction.target
     if fraction is not None:
         kv["free_gpu_memory_fraction"] = fraction
     if spec.models.target.kv_cache_dtype == "fp8":

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pipeline.llmapi import ContractError, check_llm_args, contract, llm_args, spelling
-from pipeline.repo.assemble import assemble
+from pipeline.repo.assemble import assemble, kv_fractions
 from pipeline.repo.config import parse_pbtxt
 from pipeline.repo.llmapi import OPTIONS_FILE, LlmapiRepoError, validate_llmapi_repo
 from pipeline.spec import SpecError, load_spec
@@ -64,6 +64,7 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
         (e.max_batch_size, e.max_num_tokens, e.max_seq_len)
     two_model = s.mode == "draft_target"
     assert config["kv_cache_config"]["enable_block_reuse"] == (spec.serving.enable_kv_cache_reuse and not two_model)
+    assert config["kv_cache_config"]["free_gpu_memory_fraction"] == kv_fractions(spec)["target"]  # the memory plan's
     assert config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     sc = config.get("speculative_config")
     if s.mode == "none":
@@ -100,8 +101,8 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
     assert script.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in script
     last = shlex.split(script.strip().splitlines()[-1])
     assert last[:5] == ["exec", "mpirun", "--allow-run-as-root", "-n", "1"]  # the server stays in the foreground
-    assert "--model-repository=$MODEL_REPO" in last and "--disable-auto-complete-config" in last
-    assert f'MODEL_REPO="${{MODEL_REPO:-{repo}}}"' in script
+    assert "--model-repository=$LLMAPI_REPO" in last and "--disable-auto-complete-config" in last
+    assert f'LLMAPI_REPO="${{LLMAPI_REPO:-{repo}}}"' in script
     for step in plan.steps:
         [line] = [l for l in script.splitlines() if l.startswith(f"run_step {step.key} ")]
         args = shlex.split(line)[5:]

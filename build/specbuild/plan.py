@@ -55,6 +55,9 @@ class Plan:
     spec: Spec
     toolchain: str
     steps: list[Step] = field(default_factory=list)
+    # toolchains without an engine build: digests of the folders served as they are (role -> digest),
+    # e.g. an unquantized target or EAGLE-3 heads; part of the build key
+    served: dict[str, str] = field(default_factory=dict)
 
     def engine_step(self, role: str) -> Step:
         """The step whose output `role` serves: its engine build, or (no engine build) its quantize step."""
@@ -68,7 +71,7 @@ class Plan:
     @property
     def build_key(self) -> str:
         """One hash over every engine's key: names a complete set of engines."""
-        return _hash({role: self.engine_step(role).key for role in self.roles})
+        return _hash({**{role: self.engine_step(role).key for role in self.roles}, **self.served})
 
 
 # ----------------------------------------------------------------------------- toolchain
@@ -218,7 +221,10 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     builds_engines = toolchain_traits(toolchain).engine_build
     for role, model in model_roles(spec):
         if not builds_engines:  # LLM API: the HF checkpoint is served; quantizing it is the only step
-            plan.steps += quantize_steps(spec, role, model, versions, digests)
+            steps = quantize_steps(spec, role, model, versions, digests)
+            plan.steps += steps
+            if not steps:
+                plan.served[role] = folder_digest(model.checkpoint, digests)
             continue
         params = convert_params(spec, role, model)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
@@ -234,6 +240,9 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         build = Step(role=role, kind="build", params=bparams, inputs=binputs, versions=versions, upstream=convert.key,
                      key=_hash({"kind": "build", "params": bparams, "inputs": binputs, "versions": versions}))
         plan.steps += [convert, build]
+    heads = traits(spec.speculative.mode).heads_field
+    if not builds_engines and heads is not None:  # heads (EAGLE-3) are read by the server as they are
+        plan.served[heads] = folder_digest(getattr(spec.speculative, heads).checkpoint, digests)
     if own_digests:
         digests.save()
     return plan

@@ -232,7 +232,7 @@ def assemble(spec: Spec, toolchain: str) -> Path:
         from specbuild.toolchains import toolchain_module
 
         dirs = toolchain_module(toolchain).model_dirs(make_plan(spec, toolchain))
-        return write_llmapi_repo(llm_args(spec, dirs), repo_dir(spec, toolchain))
+        return write_llmapi_repo(llm_args(spec, dirs, kv_fractions(spec)["target"]), repo_dir(spec, toolchain))
     target, draft = engine_infos(spec, toolchain)
     dest = write_repo(repo_models(spec, toolchain, target, draft), repo_dir(spec, toolchain))
     validate_repo(dest, spec, target, draft)

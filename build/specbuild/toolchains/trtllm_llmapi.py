@@ -70,6 +70,11 @@ def quantize_command(step: Step) -> list[str]:
     return ["python3", f"$MODELOPT_DIR/{facts['script']}", *args]
 
 
+def model_code_dir() -> str:
+    """NVIDIA's llmapi model code (model.py, helpers.py) inside the container."""
+    return contract()["launch"]["container_repo_template"] + "tensorrt_llm/1"
+
+
 def server_command(repo: Path, spec: Spec) -> list[str]:
     """The tritonserver command launch_triton_server.py --model_repo=REPO starts (world size 1: the llmapi
     model spawns its own tensor/pipeline-parallel ranks), to run in the foreground."""
@@ -95,9 +100,9 @@ def render_script(plan: Plan) -> str:
     spec = plan.spec
     check_rules(spec)
     repo = repo_dir(spec, TOOLCHAIN)
-    code = contract()["launch"]["container_repo_template"] + "tensorrt_llm/1"
+    code = model_code_dir()
     variables = {"MODELOPT_DIR": MODELOPT_DIR, "CACHE_DIR": str(cache_dir(spec)),
-                 "TARGET_MODEL_DIR": str(spec.models.target.checkpoint), "MODEL_REPO": str(repo)}
+                 "TARGET_MODEL_DIR": str(spec.models.target.checkpoint), "LLMAPI_REPO": str(repo)}
     if any(step.role == "draft" for step in plan.steps):
         variables["DRAFT_MODEL_DIR"] = str(spec.models.draft.checkpoint)
     source = spec.source.name if spec.source else "SPEC"
@@ -128,10 +133,10 @@ def render_script(plan: Plan) -> str:
         '[ "${LAUNCH:-1}" = 1 ] || { echo "checkpoints ready; LAUNCH=0: not starting Triton"; exit 0; }',
         "",
         "# NVIDIA's llmapi model code from the container (not part of this project), next to the generated model.yaml.",
-        f'test -f "$MODEL_REPO/tensorrt_llm/1/model.yaml" || {{ echo "missing $MODEL_REPO: run python -m pipeline repo {source}" >&2; exit 1; }}',
-        f'cp {code}/model.py {code}/helpers.py "$MODEL_REPO/tensorrt_llm/1/"',
+        f'test -f "$LLMAPI_REPO/tensorrt_llm/1/model.yaml" || {{ echo "missing $LLMAPI_REPO: run python -m pipeline repo {source}" >&2; exit 1; }}',
+        f'cp {code}/model.py {code}/helpers.py "$LLMAPI_REPO/tensorrt_llm/1/"',
         "# launch_triton_server.py would start this in the background and return: run it in the foreground.",
-        "exec " + " ".join(shell_quote(a) for a in server_command(Path("$MODEL_REPO"), spec)),
+        "exec " + " ".join(shell_quote(a) for a in server_command(Path("$LLMAPI_REPO"), spec)),
     ]
     return "\n".join(lines) + "\n"
 
