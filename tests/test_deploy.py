@@ -821,3 +821,23 @@ def test_acceptance_floor_is_the_draft_to_target_cost_ratio(workdir):
     assert deploy.acceptance_floor(cheaper) < deploy.acceptance_floor(spec)  # a cheaper draft pays off sooner
     heads = load_spec(workdir / "gpu-medusa.yaml", ["speculative.min_acceptance_rate=0.3"])
     assert deploy.acceptance_floor(heads) == 0.3
+
+
+def test_llmapi_build_job_assembles_a_repository_serving_the_staged_checkpoints(workdir, cluster_dirs):
+    """trtllm-llmapi: the build container writes the llmapi repository whose model.yaml serves the ModelOpt output
+    the GPU step writes (fp8 target) and the staged EAGLE-3 heads; the server command copies and serves it."""
+    from pipeline.repo.llmapi import validate_llmapi_repo
+
+    d = deploy.plan_deployment(load_spec(workdir / "gpu-llmapi.yaml"), "trtllm-llmapi")
+    files = write_files(d, cluster_dirs / "etc")
+    deploy.stage_checkpoints(files / "checkpoints.json")
+    deploy.build_in_cluster(files / "spec.yaml", "trtllm-llmapi")
+    assert (cluster_dirs / "engines" / d.build_key / deploy.READY).is_file()
+    config = validate_llmapi_repo(Path(d.values()["MODEL_REPO"]))
+    cache = re.search(r'^CACHE_DIR="\$\{CACHE_DIR:-(.*)\}"$', (files / "trtllm.sh").read_text(), re.M).group(1)
+    [quantize] = [line.split()[1] for line in (files / "trtllm.sh").read_text().splitlines() if line.startswith("run_step ")]
+    assert config["model"] == f"{cache}/{quantize}"  # what hf_ptq.py --export_path writes (then renamed)
+    heads = next(c.cluster for c in d.checkpoints if c.role == "eagle")
+    assert config["speculative_config"]["speculative_model_dir"] == heads
+    script = deploy.server_command(d)[2]
+    assert f"cp -r {d.values()['MODEL_REPO']} /tmp/llmapi_repo" in script and "--model-repository=/tmp/llmapi_repo" in script
