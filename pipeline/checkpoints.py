@@ -331,10 +331,10 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
                     "intermediate_size": inter, "num_hidden_layers": config.get("num_hidden_layers", 1),
                     "norm_epsilon": config.get("rms_norm_eps", target.config.get("rms_norm_eps", 1e-6))}
     warnings = []
-    if e.version == 3:
-        draft_config["layers_to_capture"] = list(eagle3_capture_layers(e.layers_to_capture, target.num_layers))
     if tensors is None:
         warnings.append("EAGLE weights are a pickle file: shapes are checked when they are converted")
+        if e.version == 3:
+            draft_config["layers_to_capture"] = list(eagle3_capture_layers(e.layers_to_capture, target.num_layers))
         return draft_config, warnings
     is_v3 = any(k.startswith("midlayer.") for k in tensors)
     if is_v3 and e.version != 3:
@@ -346,6 +346,7 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
     if eh != H and not is_v3:
         raise SpecError(where, f"EAGLE hidden_size {eh} differs from the target's {H}", "use EAGLE weights trained for this target")
     if is_v3:
+        draft_config["layers_to_capture"] = list(eagle3_capture_layers(e.layers_to_capture, target.num_layers))
         ht = config.get("target_hidden_size") or H
         if ht != H:
             raise SpecError(where, f"EAGLE-3 target_hidden_size {ht} differs from the target's {H}",

@@ -20,7 +20,7 @@ CHOICES = [[0], [1], [0, 0], [0, 0, 0]]
 @pytest.fixture(scope="module")
 def eagle3_server(tmp_path_factory, derived_pair):
     """ONE server on a tiny target with random EAGLE-3 heads (repository assembled by the real pipeline)."""
-    from pipeline.execute import run_reference
+    from specbuild.toolchains.reference import run_reference
     from pipeline.spec import load_spec
 
     folder = tmp_path_factory.mktemp("eagle3-spec")
