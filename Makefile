@@ -34,12 +34,12 @@ plan: venv
 
 # The trained stand-in pair for the engine benchmark (6-layer/384 target, 1-layer/128 draft; minutes, cached).
 trained-pair: venv
-	$(PY) -m specfixtures.trainpair --out models/trained-pair
+	$(PY) -m pipeline.fixtures.trainpair --out models/trained-pair
 
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
 bench-engine: venv models trained-pair
-	$(PY) -m specapps.bench_engine $(ARGS)
+	$(PY) -m pipeline.apps.bench_engine $(ARGS)
 
 # Build (or reuse from the cache) the engines of a spec; with toolchain trtllm on a machine without a GPU this
 # writes out/<name>/trtllm/build_engines.sh for a GPU host (docs/trtllm.md).
@@ -47,11 +47,13 @@ engines: venv models
 	$(PY) -m pipeline engines $(SPEC) $(ARGS)
 
 # Kubernetes: write each deploy/overlays/*/generated/ component from its example spec and render the
-# overlays to out/deploy/<overlay>.yaml (kubectl with kustomize); deploy-check also runs the deploy tests.
+# overlays to out/deploy/<overlay>.yaml (kubectl with kustomize); an example whose checkpoints are absent
+# (gpu-multinode's 70B) is skipped with the reason. deploy-check also runs the deploy tests.
 deploy-render: venv models
 	$(PY) -m pipeline.deploy examples
 	mkdir -p out/deploy
 	for overlay in deploy/overlays/*/; do \
+	  [ -f $$overlay/generated/kustomization.yaml ] || continue; \
 	  kubectl kustomize $$overlay > out/deploy/$$(basename $$overlay).yaml || exit 1; \
 	  echo "rendered out/deploy/$$(basename $$overlay).yaml"; done
 
@@ -69,10 +71,10 @@ demo: venv models
 
 # Triton vs engine throughput (concurrency 1 and 8) and per-round orchestration overhead -> docs/benchmarks.md.
 bench-serve: venv models
-	$(PY) -m specapps.bench_serve $(SPEC) $(ARGS)
+	$(PY) -m pipeline.apps.bench_serve $(SPEC) $(ARGS)
 
 deploy-check: deploy-render
-	$(PY) -m pytest tests/test_deploy.py $(ARGS)
+	$(PY) -m pytest tests/test_deploy.py tests/test_deploy_multinode.py $(ARGS)
 
 # Load test against the running server (`make serve` in another terminal): sweeps concurrency x K and
 # writes out/bench/{bench.json,bench.md,*.png}. ARGS="--full" for concurrency 1,4,8,16 x K 0..8.

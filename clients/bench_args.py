@@ -1,5 +1,5 @@
 """Arguments of the serving benchmark (`python -m clients bench run`, and `python -m pipeline bench SPEC`
-through specapps/bench.py).
+through pipeline/apps/bench.py).
 
 Kept apart from clients/bench.py so that registering the subcommand imports nothing heavy: the
 pipeline CLI stays fast for validate/inspect/plan.

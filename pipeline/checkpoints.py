@@ -75,6 +75,7 @@ class Report:
     checks: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     memory: object = None  # pipeline.memory.MemoryPlan
+    heads: dict = field(default_factory=dict)  # the target's Medusa heads / EAGLE net (check_medusa / check_eagle)
 
     def render(self) -> str:
         """A readable multi-line report."""
@@ -420,6 +421,7 @@ def inspect_spec(spec: Spec) -> Report:
         report.checks.append(f"EAGLE-{s.eagle.version} weights match hidden {target.hidden_size} / vocab {target.vocab_size}")
     for role, info in report.models.items():
         check_group_size(getattr(spec.models, role), info, f"models.{role}")
+    report.heads = heads
     report.memory = memory_plan(spec, report.models, heads)
     report.checks.append(f"engines fit on {spec.gpu.name} ({spec.gpu.memory_gib:g} GiB)")
     return report

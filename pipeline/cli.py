@@ -20,7 +20,7 @@ from pipeline.spec import SpecError
 from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.apps.bench", "pipeline.apps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
@@ -46,10 +46,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the steps and keys, or with --dry-run the trtllm shell script for a GPU host."""
     from specbuild import plan as planning
-    from pipeline.checkpoints import inspect_spec
 
-    spec = spec_from_args(args)
-    inspect_spec(spec)  # incompatible checkpoints fail here, before any script is written
+    spec = spec_from_args(args)  # make_plan inspects: incompatible checkpoints fail before any script is written
     if args.dry_run:  # the GPU toolchain's script: --toolchain, else the spec's if it is a GPU one, else trtllm
         from specbuild.toolchains import toolchain_module
 
@@ -75,7 +73,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """Extract SmolLM2-135M-Instruct and derive the example draft and heads under models/."""
-    from specfixtures.models import make_models
+    from pipeline.fixtures.models import make_models
 
     make_models(args.out)
     return 0

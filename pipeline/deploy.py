@@ -19,6 +19,7 @@ the spec's output dir, READY marker), /engines/cache (content-addressed steps sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -29,18 +30,22 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from pipeline import __version__, stack
+from pipeline import __version__, lws, stack
 from pipeline.cliargs import add_spec_arguments
 from pipeline.llmapi import TOOLCHAIN as LLMAPI_TOOLCHAIN
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
-from pipeline.spec import Spec, SpecError, load_spec, parse_spec, to_dict
+from pipeline.spec import Spec, SpecError, load_spec, named_checkpoints, parse_spec, to_dict
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
+from specbuild.plan import DigestCache, Plan, checkpoint_files, folder_digest, make_plan
+from specbuild.toolchains import toolchain_module
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GENERATED = "generated"  # the component folder inside an overlay
 GPU_COMPONENT = "components/gpu"  # an overlay that uses it serves trtllm engines
 LLMAPI_COMPONENT = "components/llmapi"  # ... or, with this one too, the LLM API (trtllm-llmapi)
+# What a LeaderWorkerSet needs beyond the spec-derived part, from overlays/<name>/generated.
+MULTINODE_COMPONENT = "../../../components/multinode"
 PIPELINE_IMAGE = "specdeploy"  # image of this project (deploy/Dockerfile); tag = pipeline.__version__
 APP_DIR = PurePosixPath("/app")  # the project inside the pipeline image
 ENGINES_MOUNT = PurePosixPath("/engines")
@@ -57,7 +62,7 @@ HPA_METRIC = "triton_queue_compute_ratio"
 # The example spec each overlay of deploy/overlays/ is rendered from by `make deploy-render`.
 EXAMPLE_SPECS = {"cpu-reference": "examples/default.yaml", "gpu-draft-target": "examples/draft-target.yaml",
                  "gpu-medusa": "examples/medusa.yaml", "gpu-eagle": "examples/eagle.yaml",
-                 "gpu-llmapi": "examples/eagle3.yaml"}
+                 "gpu-multinode": "examples/multinode.yaml", "gpu-llmapi": "examples/eagle3.yaml"}
 # Spec fields holding a checkpoint folder, by the role name used under /models/<build-key>/.
 CHECKPOINT_FIELDS = {"target": ("models", "target"), "draft": ("models", "draft"),
                      "medusa": ("speculative", "medusa"), "eagle": ("speculative", "eagle")}
@@ -93,11 +98,23 @@ class DeployPlan:
     acceptance_floor: float  # below this acceptance rate speculation costs more than it saves
     namespace: str | None
     trtllm_script: str | None  # the plan's build script with the pods' paths (trtllm only)
+    topology: lws.Topology | None = None  # set when tp_size x pp_size exceeds gpu.gpus_per_node: a LeaderWorkerSet
 
     @property
     def gpu_count(self) -> int:
-        """GPUs per Triton pod and per engine build: tp_size x pp_size."""
+        """GPUs of one server (MPI ranks): tp_size x pp_size."""
         return self.spec.engine.tp_size * self.spec.engine.pp_size
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs of each Triton pod: all of them, or one node's share in a LeaderWorkerSet group."""
+        return self.topology.ranks_per_pod if self.topology else self.gpu_count
+
+    @property
+    def build_gpus(self) -> int:
+        """GPUs of the engine build Job: trtllm-build builds every rank on one node, rank r on GPU r % --workers
+        (--workers is capped at the GPUs it sees; tensorrt_llm/commands/build.py parallel_build)."""
+        return min(self.gpu_count, self.spec.gpu.gpus_per_node)
 
     @property
     def build_dir(self) -> str:
@@ -136,13 +153,13 @@ class DeployPlan:
             "TRITON_MODELS": ",".join(self.model_names),
             "KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET": str(kv_target),
             "KV_CACHE_FREE_GPU_MEM_FRACTION_DRAFT": "" if kv_draft is None else str(kv_draft),
-        }
+        } | ({"LWS_SIZE": str(self.topology.size), "GPUS_PER_POD": str(self.gpus_per_pod)} if self.topology else {})
 
 
 # ----------------------------------------------------------------------------- planning
 
 
-def acceptance_floor(spec: Spec) -> float:
+def acceptance_floor(plan: Plan) -> float:
     """The acceptance rate r (accepted / drafted tokens) below which speculation costs more than it saves.
 
     Decoding is memory-bound: a draft step costs c = draft weight bytes / target weight bytes of a
@@ -151,12 +168,11 @@ def acceptance_floor(spec: Spec) -> float:
     plain decoding only while r > c. Never below the spec's speculative.min_acceptance_rate; modes
     without a draft model (n-gram, Medusa, EAGLE heads) use that alone.
     """
+    spec = plan.spec
     floor = spec.speculative.min_acceptance_rate
     if not traits(spec.speculative.mode).has_draft_engine:
         return floor
-    from pipeline.checkpoints import inspect_spec
-
-    weights = {e.role: e.weight_bytes for e in inspect_spec(spec).memory.engines}
+    weights = {e.role: e.weight_bytes for e in plan.inspection.memory.engines}
     return round(max(floor, weights["draft"] / weights["target"]), 3)
 
 
@@ -200,8 +216,6 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
     from pipeline.repo.assemble import EngineInfo, kv_fractions, repo_models
-    from specbuild.plan import Plan, checkpoint_files, make_plan
-    from specbuild.toolchains import toolchain_module
 
     hf_repos = dict(hf_repos or {})
     if spec.toolchain not in ("auto", toolchain):
@@ -227,18 +241,18 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
     if toolchain_traits(toolchain).repository == "llmapi":  # one LLM API model
-        model_names, kv = (TARGET_MODEL,), {TARGET_MODEL: kv_fractions(spec)["target"]}
+        model_names, kv = (TARGET_MODEL,), {TARGET_MODEL: kv_fractions(plan)["target"]}
     else:
-        target = EngineInfo.planned(spec, "target", Path("target"))
-        draft = EngineInfo.planned(spec, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
-        models = repo_models(spec, toolchain, target, draft)  # the repository the build Job will assemble
+        target = EngineInfo.planned(plan, "target", Path("target"))
+        draft = EngineInfo.planned(plan, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
+        models = repo_models(plan, target, draft)  # the repository the build Job will assemble
         model_names = tuple(m.name for m in models)
         kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
-    script = toolchain_module(toolchain).build_script(Plan(spec=cluster_spec, toolchain=toolchain, steps=plan.steps))
+    script = toolchain_module(toolchain).build_script(dataclasses.replace(plan, spec=cluster_spec))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
                       checkpoints=tuple(checkpoints), model_names=model_names,
-                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(spec),
-                      namespace=namespace, trtllm_script=script)
+                      kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(plan),
+                      namespace=namespace, trtllm_script=script, topology=lws.topology(spec, toolchain))
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -248,12 +262,19 @@ def server_command(d: DeployPlan) -> list[str]:
     """The Triton container's command: `pipeline serve` (reference) or tritonserver (trtllm)."""
     if not toolchain_traits(d.toolchain).gpu:
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
-    s = d.spec.serving
+    if d.topology:  # a LeaderWorkerSet group: the leader's script starts every rank (pipeline/lws.py)
+        return ["bash", str(FILES_MOUNT / lws.LEADER_SCRIPT)]
     if toolchain_traits(d.toolchain).repository == "llmapi":
         return llmapi_server_command(d)
     # What TensorRT-LLM's launch_triton_server.py --multi-model --world_size=1 runs (one tritonserver
     # under mpirun, each tensorrt_llm model spawning its tp x pp ranks), in the foreground as PID 1.
-    return ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver", f"--model-repository={d.model_repo}",
+    return ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver", *tritonserver_flags(d)]
+
+
+def tritonserver_flags(d: DeployPlan) -> list[str]:
+    """The GPU server's tritonserver flags: the repository, the spec's ports, draining."""
+    s = d.spec.serving
+    return [f"--model-repository={d.model_repo}",
             f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}", f"--metrics-port={s.metrics_port}",
             "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=specdeploy_",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0"]
@@ -270,6 +291,11 @@ def llmapi_server_command(d: DeployPlan) -> list[str]:
     script = (f"rm -rf {repo} && cp -r {d.model_repo} {repo} && cp {code}/model.py {code}/helpers.py "
               f"{repo}/{TARGET_MODEL}/1/ && exec {shlex.join(serve)}")
     return ["bash", "-c", script]
+
+
+def engine_models(d: DeployPlan) -> list[str]:
+    """The TensorRT-LLM models of the repository (every MPI rank loads them)."""
+    return [m for m in (TARGET_MODEL, DRAFT_MODEL) if m in d.model_names]
 
 
 def _gpu_resources(count: int) -> dict:
@@ -294,9 +320,11 @@ def deployment_patch(d: DeployPlan) -> dict:
     }
     pod: dict = {"containers": [container]}
     if toolchain_traits(d.toolchain).gpu:
-        container["resources"] = _gpu_resources(d.gpu_count)
+        container["resources"] = _gpu_resources(d.gpus_per_pod)
         # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
         container["env"] = [{"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)}]
+        if d.topology:  # leader mode across nodes: no orchestrator (it spawns ranks on its own node only)
+            container["env"].append({"name": "TRTLLM_ORCHESTRATOR", "$patch": "delete"})
         pod["affinity"] = _gpu_affinity(d.spec.gpu.name)
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "specdeploy-triton"},
             "spec": {"template": {"spec": pod}}}
@@ -321,8 +349,8 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
     ops = [{"op": "replace", "path": "/metadata/name", "value": f"specdeploy-engine-build-{d.build_key}"}]
     if toolchain_traits(d.toolchain).gpu:
         gpus = "/spec/template/spec/initContainers/1/resources/{}/nvidia.com~1gpu"
-        ops += [{"op": "add", "path": gpus.format("limits"), "value": d.gpu_count},
-                {"op": "add", "path": gpus.format("requests"), "value": d.gpu_count},
+        ops += [{"op": "add", "path": gpus.format("limits"), "value": d.build_gpus},
+                {"op": "add", "path": gpus.format("requests"), "value": d.build_gpus},
                 {"op": "add", "path": "/spec/template/spec/affinity", "value": _gpu_affinity(d.spec.gpu.name)}]
     return ops
 
@@ -373,23 +401,30 @@ def checkpoints_manifest(d: DeployPlan) -> list[dict]:
              "image_path": c.image_path, "hf_repo": c.hf_repo} for c in d.checkpoints]
 
 
+def image_tags() -> list[dict]:
+    """kustomize `images`: the pipeline image at this version, the Triton image of the pinned stack."""
+    triton_name, triton_tag = stack.TRITON_IMAGE.rsplit(":", 1)
+    return [{"name": PIPELINE_IMAGE, "newTag": __version__}, {"name": triton_name, "newTag": triton_tag}]
+
+
 def render_component(d: DeployPlan) -> dict[str, str]:
     """The files of the overlay's generated/ kustomize Component, by name."""
-    triton_name, triton_tag = stack.TRITON_IMAGE.rsplit(":", 1)
     files = ["spec.yaml", "checkpoints.json"] + (["trtllm.sh"] if d.trtllm_script else [])
+    files += [lws.LEADER_SCRIPT, lws.WORKER_SCRIPT, lws.AGENT_SCRIPT] if d.topology else []
     patches = [{"path": "triton-deployment.yaml"}, {"path": "triton-service.yaml"},
                {"path": "engine-build-job.yaml", "target": {"kind": "Job", "name": "specdeploy-engine-build"}}]
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1alpha1",
         "kind": "Component",
         "labels": [{"pairs": {"app.kubernetes.io/instance": d.spec.name}, "includeTemplates": True}],
-        "images": [{"name": PIPELINE_IMAGE, "newTag": __version__},
-                   {"name": triton_name, "newTag": triton_tag}],
+        "images": image_tags(),
         "configMapGenerator": [{"name": "specdeploy-values", "envs": ["values.env"]},
                                {"name": "specdeploy-files", "files": files}],
-        "resources": ["prometheusrule.yaml"],
+        "resources": ["prometheusrule.yaml"] + (["leaderworkerset.yaml"] if d.topology else []),
         "patches": patches,
     }
+    if d.topology:
+        kustomization["replacements"] = lws.template_replacements()
     header = (f"# Generated by `python -m pipeline deploy` from spec '{d.spec.name}' (build key {d.build_key}).\n"
               "# Regenerate instead of editing.\n")
     out = {
@@ -404,7 +439,27 @@ def render_component(d: DeployPlan) -> dict[str, str]:
     }
     if d.trtllm_script is not None:
         out["trtllm.sh"] = trtllm_job_script(d)
+    if d.topology:
+        return multinode_component(d, out, header)
     return out
+
+
+def multinode_component(d: DeployPlan, server: dict[str, str], header: str) -> dict[str, str]:
+    """generated/ for a LeaderWorkerSet: the single-node component (plus the LWS and its scripts) under server/,
+    then deploy/components/multinode, which needs the LWS pod templates copied first (nested components run in order)."""
+    t = d.topology
+    server = server | {
+        "leaderworkerset.yaml": header + yaml.safe_dump(lws.leaderworkerset(t), sort_keys=False),
+        lws.LEADER_SCRIPT: lws.leader_script(t, tritonserver_flags(d), engine_models(d), d.spec.name),
+        lws.WORKER_SCRIPT: lws.worker_script(),
+        lws.AGENT_SCRIPT: lws.agent_script(),
+    }
+    outer = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component",
+             "labels": [{"pairs": {"app.kubernetes.io/instance": d.spec.name}, "includeTemplates": True}],
+             "images": image_tags(),  # again: deploy/components/multinode adds a container
+             "components": [lws.SERVER_COMPONENT, MULTINODE_COMPONENT]}
+    return {"kustomization.yaml": header + yaml.safe_dump(outer, sort_keys=False)} | {
+        f"{lws.SERVER_COMPONENT}/{name}": text for name, text in server.items()}
 
 
 def trtllm_job_script(d: DeployPlan) -> str:
@@ -420,6 +475,7 @@ def write_component(d: DeployPlan, overlay: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for name, text in render_component(d).items():
+        (dest / name).parent.mkdir(exist_ok=True)
         (dest / name).write_text(text)
     return dest
 
@@ -431,9 +487,19 @@ def deploy_overlay(spec: Spec, overlay: Path, hf_repos: dict[str, str] | None = 
     return d
 
 
-def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
-    """Write every overlay's component from its example spec (EXAMPLE_SPECS)."""
-    return [deploy_overlay(load_spec(PROJECT_ROOT / spec), overlays_dir / overlay) for overlay, spec in EXAMPLE_SPECS.items()]
+def deploy_examples(overlays_dir: Path) -> dict[str, DeployPlan | str]:
+    """Write every overlay's component from its example spec (EXAMPLE_SPECS). An example whose checkpoint folders
+    are not on this machine (examples/multinode.yaml's 70B target) gets no component, only the reason."""
+    done: dict[str, DeployPlan | str] = {}
+    for overlay, spec_file in EXAMPLE_SPECS.items():
+        shutil.rmtree(overlays_dir / overlay / GENERATED, ignore_errors=True)  # never render a stale component
+        spec = load_spec(PROJECT_ROOT / spec_file, check_paths=False)
+        missing = [f"{where} {path}" for where, path in named_checkpoints(spec) if not path.exists()]
+        if missing:
+            done[overlay] = f"{spec_file} needs {', '.join(missing)} (see its comments)"
+        else:
+            done[overlay] = deploy_overlay(load_spec(PROJECT_ROOT / spec_file), overlays_dir / overlay)
+    return done
 
 
 # ----------------------------------------------------------------------------- in the cluster
@@ -441,8 +507,6 @@ def deploy_examples(overlays_dir: Path) -> list[DeployPlan]:
 
 def stage_checkpoints(manifest: Path) -> list[str]:
     """Put every checkpoint of checkpoints.json at its dest (copy from the image, else download), check digests."""
-    from specbuild.plan import DigestCache, folder_digest
-
     done = []
     for item in json.loads(Path(manifest).read_text()):
         dest = Path(item["dest"])
@@ -482,13 +546,12 @@ def build_in_cluster(spec_file: Path, toolchain: str) -> str:
     ready = spec.output.dir / READY  # output.dir is /engines/<build-key>
     if ready.exists():
         return f"build key {spec.output.dir.name} is ready; nothing to do"
+    plan = make_plan(spec, toolchain)
     if toolchain_traits(toolchain).engines_built_here:
-        from specbuild.execute import run_engines
-
-        code = run_engines(spec, toolchain=toolchain)
+        code = toolchain_module(toolchain).build(plan)
         if code:
-            raise DeployError("engines", f"the reference engine build failed (exit code {code})", "read the Job's log above")
-    repo = assemble(spec, toolchain)
+            raise DeployError("engines", f"the {toolchain} engine build failed (exit code {code})", "read the Job's log above")
+    repo = assemble(plan)
     ready.write_text(json.dumps({"spec": spec.name, "toolchain": toolchain, "model_repo": str(repo)}) + "\n")
     return f"engines and model repository ready: {repo}"
 
@@ -529,6 +592,8 @@ def run_deploy(args: argparse.Namespace) -> int:
 def describe(d: DeployPlan, overlay: Path) -> str:
     """One line: what was written where."""
     where = f"{d.gpu_count} GPU(s) per pod" if toolchain_traits(d.toolchain).gpu else "CPU"
+    if d.topology:
+        where = f"LeaderWorkerSet groups of {d.topology.size} pods x {d.gpus_per_pod} GPUs"
     return f"wrote {overlay / GENERATED} (spec {d.spec.name}, build key {d.build_key}, toolchain {d.toolchain}, {where})"
 
 
@@ -547,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.step == "examples":
-            for overlay, d in zip(EXAMPLE_SPECS, deploy_examples(args.overlays)):
-                print(describe(d, args.overlays / overlay))
+            for overlay, d in deploy_examples(args.overlays).items():
+                print(f"skipped {overlay}: {d}" if isinstance(d, str) else describe(d, args.overlays / overlay))
         elif args.step == "stage":
             print("\n".join(stage_checkpoints(args.manifest)))
         else:

@@ -1,10 +1,9 @@
 """Launch the real Triton 2.51 server bundled in the nvidia-pytriton wheel on a model repository.
 
 The wheel ships `pytriton/tritonserver/bin/tritonserver`, the python backend and one backend stub
-per Python version. We start that binary ourselves (no PyTriton), following the facts in
-docs/DESIGN: a backend directory made of symlinks (the stub finds its libraries relative to its real
-path), the virtualenv's bin first on PATH (models import what `python3` sees), the interpreter's
-lib dir on LD_LIBRARY_PATH, --disable-auto-complete-config, and a unique shared-memory prefix
+per Python version. We start that binary ourselves (no PyTriton): a backend directory made of
+symlinks (the stub finds its libraries relative to its real path), the virtualenv's bin first on
+PATH (models import what `python3` sees), the interpreter's lib dir on LD_LIBRARY_PATH, --disable-auto-complete-config, and a unique shared-memory prefix
 that is removed after stop. A stub that cannot start leaves the server "loading" forever, so
 startup has a deadline and scans the log.
 

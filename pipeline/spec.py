@@ -136,11 +136,14 @@ class ServingSpec:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """The GPU the trtllm engines are planned for (memory plan, node affinity)."""
+    """The GPU the trtllm engines are planned for (memory plan, node affinity) and how many one node holds."""
 
     name: str = "NVIDIA-H100-80GB-HBM3"
     memory_gib: float = 80.0
     count: int = 1
+    # GPUs of one node: when tp_size x pp_size exceeds it, `pipeline deploy` writes a LeaderWorkerSet
+    # whose group spans ceil(tp_size x pp_size / gpus_per_node) nodes (pipeline/lws.py).
+    gpus_per_node: int = 8
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,8 @@ def check_combinations(spec: Spec) -> None:
     for key in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size"):
         if getattr(e, key) < 1:
             raise SpecError(f"engine.{key}", "must be at least 1", "set a positive value")
+    if spec.gpu.gpus_per_node < 1:
+        raise SpecError("gpu.gpus_per_node", "must be at least 1", "set the number of GPUs one node holds, e.g. 8")
     if e.max_input_len >= e.max_seq_len:
         raise SpecError("engine.max_input_len", f"{e.max_input_len} leaves no room for output in max_seq_len {e.max_seq_len}",
                         "raise engine.max_seq_len above max_input_len")

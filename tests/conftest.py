@@ -2,7 +2,7 @@
 
 import pytest
 
-from specfixtures.toymodels import make_derived_pair, make_tiny_llama
+from pipeline.fixtures.toymodels import make_derived_pair, make_tiny_llama
 
 # Real-Triton fixtures (tiny_spec_engines, triton_server): one server per session.
 pytest_plugins = ["tests.triton_fixtures"]

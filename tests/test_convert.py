@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specfixtures.models import make_random_eagle, make_random_medusa
+from pipeline.fixtures.models import make_random_eagle, make_random_medusa
 from specbuild.plan import make_plan
 from pipeline.reference.checkpoint import (dequantize_linear, load_engine, quantize_fp8, quantize_int4, quantize_int8,
                                            quantize_linear, unpack_int4)
@@ -162,7 +162,7 @@ def test_smollm2_default_engine_matches_transformers(tmp_path):
     from pathlib import Path
 
     from specbuild.execute import run_engines
-    from specfixtures.models import make_models
+    from pipeline.fixtures.models import make_models
 
     repo = Path(__file__).resolve().parents[1]
     paths = make_models(repo / "models")

@@ -97,14 +97,15 @@ gpu: {{count: 2}}
 }
 OVERLAYS = list(SPECS)
 # Each overlay with a tiny spec, and with its example spec when `make models` has made the checkpoints.
-CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS]
+# (gpu-multinode, a LeaderWorkerSet, is tested in test_deploy_multinode.py)
+CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS if overlay in SPECS]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny target + draft, untrained Medusa heads and EAGLE-1/2 and EAGLE-3 weights for that target."""
-    from specfixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
-    from specfixtures.toymodels import make_derived_pair
+    from pipeline.fixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
+    from pipeline.fixtures.toymodels import make_derived_pair
 
     root = tmp_path_factory.mktemp("ckpt")
     target, draft = make_derived_pair(root / "pair", eps=0.15)
@@ -816,10 +817,11 @@ def test_acceptance_floor_is_the_draft_to_target_cost_ratio(workdir):
     weights = {e.role: e.weight_bytes for e in inspect_spec(spec).memory.engines}
     cost_ratio = weights["draft"] / weights["target"]
     assert spec.speculative.min_acceptance_rate < cost_ratio < 1  # the tiny draft is a quarter of the layers
-    assert deploy.acceptance_floor(spec) == round(cost_ratio, 3)
-    cheaper = load_spec(workdir / "cpu-reference.yaml", ["models.draft.qformat=int8_wo"])
-    assert deploy.acceptance_floor(cheaper) < deploy.acceptance_floor(spec)  # a cheaper draft pays off sooner
-    heads = load_spec(workdir / "gpu-medusa.yaml", ["speculative.min_acceptance_rate=0.3"])
+    plan = make_plan(spec, "reference")
+    assert deploy.acceptance_floor(plan) == round(cost_ratio, 3)
+    cheaper = make_plan(load_spec(workdir / "cpu-reference.yaml", ["models.draft.qformat=int8_wo"]), "reference")
+    assert deploy.acceptance_floor(cheaper) < deploy.acceptance_floor(plan)  # a cheaper draft pays off sooner
+    heads = make_plan(load_spec(workdir / "gpu-medusa.yaml", ["speculative.min_acceptance_rate=0.3"]), "trtllm")
     assert deploy.acceptance_floor(heads) == 0.3
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoints import inspect_spec, safetensors_header
-from specfixtures.models import make_random_eagle, make_random_medusa, make_truncated_draft
+from pipeline.fixtures.models import make_random_eagle, make_random_medusa, make_truncated_draft
 from pipeline.spec import SpecError, load_spec
-from specfixtures.toymodels import make_tiny_llama, make_tokenizer
+from pipeline.fixtures.toymodels import make_tiny_llama, make_tokenizer
 
 SPEC = """\
 name: t

@@ -16,7 +16,7 @@ from pipeline.repo.llmapi import OPTIONS_FILE, LlmapiRepoError, validate_llmapi_
 from pipeline.spec import SpecError, load_spec
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
-from specfixtures.models import make_random_eagle3
+from pipeline.fixtures.models import make_random_eagle3
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -53,7 +53,7 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
                  and (r == "target" or spec.speculative.mode == "draft_target")]
     assert [s.label for s in plan.steps] == [f"{r}/quantize" for r in quantized]  # no engine build
 
-    repo = assemble(spec, TC)
+    repo = assemble(plan)
     config = validate_llmapi_repo(repo)
     words = spelling()
     e, s = spec.engine, spec.speculative
@@ -64,7 +64,7 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
         (e.max_batch_size, e.max_num_tokens, e.max_seq_len)
     two_model = s.mode == "draft_target"
     assert config["kv_cache_config"]["enable_block_reuse"] == (spec.serving.enable_kv_cache_reuse and not two_model)
-    assert config["kv_cache_config"]["free_gpu_memory_fraction"] == kv_fractions(spec)["target"]  # the memory plan's
+    assert config["kv_cache_config"]["free_gpu_memory_fraction"] == kv_fractions(plan)["target"]  # the memory plan's
     assert config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     sc = config.get("speculative_config")
     if s.mode == "none":
@@ -111,6 +111,7 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
         assert value["--qformat"] == model.qformat and value["--calib_size"] == str(model.calib_size)
         assert value["--kv_cache_qformat"] == model.kv_cache_dtype
         assert value["--export_path"] == f"$CACHE_DIR/{step.key}.tmp"
+        assert value.get("--awq_block_size") == (str(model.group_size) if model.qformat == "int4_awq" else None)
 
 
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e.name in REFUSED], ids=lambda p: p.name)
@@ -148,16 +149,16 @@ def test_quantized_models_are_served_from_their_cached_modelopt_output(derived_p
     plan = make_plan(spec, TC)
     [step] = plan.steps
     assert make_plan(spec, TC).steps[0].key == step.key  # content-addressed: the same inputs, the same key
-    assert make_plan(load_spec(spec.source, [f"models.target.checkpoint={derived_pair[0]}", "models.target.qformat=int4_awq",
+    assert make_plan(load_spec(spec.source, [f"models.target.checkpoint={derived_pair[0]}", "models.target.qformat=int4_awq", "models.target.group_size=64",
                                              f"output.cache_dir={tmp_path / 'cache'}", f"toolchain={TC}"]), TC).steps[0].key != step.key
-    config = yaml.safe_load((assemble(spec, TC) / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    config = yaml.safe_load((assemble(plan) / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert config["model"] == str(tmp_path / "cache" / TC / step.key)
     assert config["kv_cache_config"]["dtype"] == "fp8"
 
 
 def test_a_repository_that_disagrees_with_itself_is_caught(derived_pair, eagle3_heads, tmp_path):
     spec = tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path)
-    repo = assemble(spec, TC)
+    repo = assemble(make_plan(spec, TC))
     model_yaml = repo / "tensorrt_llm" / "1" / "model.yaml"
     config = yaml.safe_load(model_yaml.read_text())
     model_yaml.write_text(yaml.safe_dump({**config, "triton_config": {"max_batch_size": 0, "decoupled": False}}))
@@ -175,7 +176,7 @@ def test_clients_speak_the_llmapi_model_and_refuse_per_request_speculation(deriv
 
     from clients.client import ClientError, GenerateRequest, ModelInputs, SamplingParams, _grpc_request
 
-    repo = assemble(tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path), TC)
+    repo = assemble(make_plan(tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path), TC))
     cfg = parse_pbtxt((repo / "tensorrt_llm" / "config.pbtxt").read_text())
     wire_type = {"TYPE_STRING": "BYTES"}
     model = ModelInputs(cfg.name, {t.name: (wire_type.get(mc.DataType.Name(t.data_type), mc.DataType.Name(t.data_type)[5:]),

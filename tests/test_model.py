@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.reference.model import LlamaModel, SequenceInput, config_from_hf, perplexity
-from specfixtures.toymodels import tiny_config
+from pipeline.fixtures.toymodels import tiny_config
 
 BLOCK = 16
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specfixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
+from pipeline.fixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
 from specbuild.plan import build_key, make_plan
 from pipeline.spec import SpecError, load_spec
 from specbuild.toolchains.trtllm import Command, ContractError, check_command, parse_script, render_script

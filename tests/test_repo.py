@@ -13,23 +13,25 @@ from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_mode
 from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
 from pipeline.repo.launch import launch_command, render_launch_script
 from pipeline.repo.validate import RepoError, load_config, validate_repo
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.spec import load_spec
+from specbuild.plan import make_plan
 from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
 
 
 @pytest.fixture(scope="module")
 def reference_repo(tiny_spec_engines, tmp_path_factory):
     """The reference repository assembled into a private folder (tests may tamper with it)."""
-    spec = tiny_spec_engines.spec
-    target, draft = engine_infos(spec, "reference")
-    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path_factory.mktemp("repo") / "model_repo")
-    return spec, repo, target, draft
+    plan = tiny_spec_engines.plan
+    target, draft = engine_infos(plan)
+    repo = write_repo(repo_models(plan, target, draft), tmp_path_factory.mktemp("repo") / "model_repo")
+    return plan.spec, repo, target, draft
 
 
 @pytest.fixture(scope="module")
 def trtllm_repo(tiny_spec_engines):
-    spec = tiny_spec_engines.spec
-    return spec, assemble(spec, "trtllm")
+    plan = make_plan(tiny_spec_engines.spec, "trtllm", inspection=tiny_spec_engines.plan.inspection)
+    return plan.spec, assemble(plan)
 
 
 def parse(path: Path) -> mc.ModelConfig:
@@ -37,9 +39,10 @@ def parse(path: Path) -> mc.ModelConfig:
 
 
 @pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
-def test_every_config_parses_and_validates(toolchain, reference_repo, trtllm_repo):
+def test_every_config_parses_and_validates(toolchain, reference_repo, trtllm_repo, tiny_spec_engines):
     spec, repo = (reference_repo[0], reference_repo[1]) if toolchain == "reference" else trtllm_repo
-    target, draft = engine_infos(spec, toolchain)
+    plan = tiny_spec_engines.plan if toolchain == "reference" else make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
     configs = validate_repo(repo, spec, target, draft)
     assert sorted(configs) == sorted(MODEL_NAMES)
     for name in MODEL_NAMES:
@@ -143,9 +146,10 @@ def test_engine_cross_checks(reference_repo):
 def test_draft_logits_need_gathered_draft_logits(tiny_spec_engines, tmp_path):
     spec = load_spec(write_spec(tmp_path, tiny_spec_engines.target_dir, tiny_spec_engines.draft_dir,
                                 **{"speculative.use_draft_logits": True}))
-    target, draft = engine_infos(dataclasses.replace(spec, output=tiny_spec_engines.spec.output), "reference")
+    plan = make_plan(dataclasses.replace(spec, output=tiny_spec_engines.spec.output), "reference")
+    target, draft = engine_infos(plan)
     assert not draft.gather_generation_logits  # built without use_draft_logits
-    repo = write_repo(repo_models(spec, "reference", target, draft), tmp_path / "model_repo")
+    repo = write_repo(repo_models(plan, target, draft), tmp_path / "model_repo")
     with pytest.raises(RepoError, match="does not gather generation logits"):
         validate_repo(repo, spec, target, draft)
     ok = dataclasses.replace(draft, gather_generation_logits=True)
@@ -163,3 +167,12 @@ def test_tokenizer_must_be_the_targets(reference_repo, tmp_path):
 def test_engine_info_reads_engine_config(tiny_spec_engines):
     info = EngineInfo.from_engine_dir(tiny_spec_engines.spec.out_dir / "engines" / "target")
     assert (info.max_batch_size, info.max_draft_len, info.vocab_size) == (8, MAX_DRAFT_LEN, 512)
+
+
+def test_planned_limits_are_what_the_build_writes(tiny_spec_engines):
+    """EngineLimits is one type: the limits the repository plans for a GPU host's engine equal those a built
+    engine's config.json holds (read by the repository and the reference engine alike)."""
+    plan = tiny_spec_engines.plan
+    built = EngineInfo.from_engine_dir(plan.spec.out_dir / "engines" / "target")
+    assert EngineInfo.planned(plan, "target", built.path) == built
+    assert built.max_draft_len == MAX_DRAFT_LEN and built.tokens_per_block == TOKENS_PER_BLOCK

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specfixtures.models import make_random_eagle3
+from pipeline.fixtures.models import make_random_eagle3
 from tests.test_server_medusa import check_in_engine_speculation
 from tests.triton_fixtures import serving, write_spec
 
@@ -30,8 +30,7 @@ def eagle3_server(tmp_path_factory, derived_pair):
                                 speculative={"mode": "eagle", "max_draft_len": 8, "num_draft_tokens": 4,
                                              "eagle": {"checkpoint": str(heads), "version": 3, "choices": CHOICES,
                                                        "layers_to_capture": [0, 1, 2]}}))
-    run_reference(spec)
-    with serving(spec) as (server, _repo):
+    with serving(run_reference(spec)) as (server, _repo):
         yield server, target
 
 

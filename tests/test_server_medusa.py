@@ -12,7 +12,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from specfixtures.models import make_random_medusa
+from pipeline.fixtures.models import make_random_medusa
 from tests.test_server_triton import final_value, joined_text, prompts, stream_requests, text_request
 from tests.triton_fixtures import serving, write_spec
 
@@ -32,8 +32,7 @@ def medusa_server(tmp_path_factory, derived_pair):
     spec = load_spec(write_spec(folder, target, target, models={"target": {"checkpoint": str(target), "dtype": "float32"}},
                                 speculative={"mode": "medusa", "max_draft_len": 8, "num_draft_tokens": 5,
                                              "medusa": {"checkpoint": str(heads), "choices": CHOICES}}))
-    run_reference(spec)
-    with serving(spec) as (server, _repo):
+    with serving(run_reference(spec)) as (server, _repo):
         yield server, target
 
 

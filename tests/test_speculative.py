@@ -17,9 +17,9 @@ from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
 from pipeline.reference.metrics import aggregate
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.fixtures.models import make_random_eagle3
+from pipeline.fixtures.toymodels import make_derived_pair
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
-from specfixtures.models import make_random_eagle3
-from specfixtures.toymodels import make_derived_pair
 
 MAX_NEW = 12
 MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

@@ -36,6 +36,7 @@ class SpecEngines:
     """A spec with built reference engines."""
 
     spec: object  # pipeline.spec.Spec
+    plan: object  # specbuild.plan.Plan (reference)
     spec_path: Path
     target_dir: Path  # HF checkpoints (the tokenizer lives in the target's)
     draft_dir: Path
@@ -98,8 +99,8 @@ def tiny_spec_engines(tmp_path_factory, derived_pair) -> SpecEngines:
     target, draft = derived_pair
     spec_path = write_spec(folder, target, draft)
     spec = load_spec(spec_path)
-    run_reference(spec)
-    return SpecEngines(spec=spec, spec_path=spec_path, target_dir=Path(target), draft_dir=Path(draft))
+    plan = run_reference(spec)
+    return SpecEngines(spec=spec, plan=plan, spec_path=spec_path, target_dir=Path(target), draft_dir=Path(draft))
 
 
 def shorten_draft_engine(engine_link: Path, max_seq_len: int) -> None:
@@ -115,12 +116,13 @@ def shorten_draft_engine(engine_link: Path, max_seq_len: int) -> None:
 
 
 @contextmanager
-def serving(spec) -> Iterator[tuple[Any, Path]]:
-    """Assemble the spec's reference repository and run one real Triton server on free ports: (server, repo)."""
+def serving(plan) -> Iterator[tuple[Any, Path]]:
+    """Assemble the plan's reference repository and run one real Triton server on free ports: (server, repo)."""
     from pipeline.repo.assemble import assemble
     from pipeline.server import TritonServer, free_ports
 
-    repo = assemble(spec, "reference")
+    spec = plan.spec
+    repo = assemble(plan)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                           log_file=spec.out_dir / "tritonserver.log", startup_timeout_s=300)
@@ -136,6 +138,6 @@ def triton_server(tiny_spec_engines) -> TritonHandle:
     """ONE real Triton server on the assembled tiny repository, shared by the whole session."""
     spec = tiny_spec_engines.spec
     shorten_draft_engine(spec.out_dir / "engines" / "draft", DRAFT_MAX_SEQ_LEN)
-    with serving(spec) as (server, repo):
+    with serving(tiny_spec_engines.plan) as (server, repo):
         yield TritonHandle(server=server, spec=spec, repo=repo, target_dir=tiny_spec_engines.target_dir,
                            draft_dir=tiny_spec_engines.draft_dir)

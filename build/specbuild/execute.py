@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.spec import Spec, to_dict
 from pipeline.toolchains import toolchain_traits
-from specbuild.plan import Plan, Step, resolve_toolchain
+from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
 from specbuild.toolchains import toolchain_module
 
 STEP_FILE = "step.json"
@@ -127,4 +127,4 @@ def run_engines(spec: Spec, toolchain: str | None = None) -> int:
         toolchain, notice = resolve_toolchain(spec)
         if notice:
             print(notice)
-    return toolchain_module(toolchain).build(spec)
+    return toolchain_module(toolchain).build(make_plan(spec, toolchain))

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import stack
-from pipeline.checkpoints import check_eagle, check_medusa, check_pickle_policy, read_checkpoint
+from pipeline.checkpoints import Report, inspect_spec
+from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
@@ -54,6 +55,7 @@ class Plan:
 
     spec: Spec
     toolchain: str
+    inspection: Report  # inspect_spec's result: checkpoint facts, head shapes, the memory plan (read once)
     steps: list[Step] = field(default_factory=list)
     # toolchains without an engine build: digests of the folders served as they are (role -> digest),
     # e.g. an unquantized target or EAGLE-3 heads; part of the build key
@@ -160,10 +162,10 @@ def _hash(obj) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
+def convert_params(spec: Spec, role: str, model: ModelSpec, inspection: Report) -> dict:
     """What the convert/quantize step of `role` depends on in the spec (and the heads' shapes)."""
     s, e = spec.speculative, spec.engine
-    info = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
+    info = inspection.models[role]
     params = {
         "architecture": info.architecture,
         "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
@@ -175,29 +177,40 @@ def convert_params(spec: Spec, role: str, model: ModelSpec) -> dict:
         params["calib_size"] = model.calib_size
     heads_field = traits(s.mode).heads_field if role == "target" else None
     if heads_field == "medusa":
-        heads, _warnings = check_medusa(spec, info)
-        params["medusa"] = {"max_draft_len": s.max_draft_len, **heads}
+        params["medusa"] = {"max_draft_len": s.max_draft_len, **inspection.heads}
     if heads_field == "eagle":
-        net, _warnings = check_eagle(spec, info)
+        net = inspection.heads
         params["eagle"] = {"version": s.eagle.version, "num_eagle_layers": s.eagle.num_layers,
                            "max_draft_len": s.max_draft_len, "max_non_leaves_per_layer": s.eagle.max_non_leaves_per_layer,
                            "net": net}
     return params
 
 
-def build_params(spec: Spec, role: str) -> dict:
-    """What the build step of `role` depends on: engine limits and speculative-decoding flags."""
+def decoding_mode(spec: Spec, role: str) -> str | None:
+    """The engine's speculative_decoding_mode: the draft is a plain engine (the BLS asks it for K tokens);
+    draft_tokens_external: tokens come from outside the target engine; medusa / eagle: its heads draft."""
+    return None if role == "draft" else traits(spec.speculative.mode).engine_decoding_mode
+
+
+def engine_limits(spec: Spec, role: str) -> EngineLimits:
+    """The limits the engine of `role` is built with."""
     s, e = spec.speculative, spec.engine
-    # the draft is a plain engine (the BLS asks it for K tokens); draft_tokens_external: tokens come from
-    # outside the target engine; medusa / eagle: the target engine drafts with its heads
-    mode = None if role == "draft" else traits(s.mode).engine_decoding_mode
-    draft_len = 0 if mode is None else s.max_draft_len
+    return EngineLimits(max_batch_size=e.max_batch_size, max_input_len=e.max_input_len, max_seq_len=e.max_seq_len,
+                        max_num_tokens=e.max_num_tokens,
+                        max_draft_len=0 if decoding_mode(spec, role) is None else s.max_draft_len,
+                        # lossless acceptance compares the draft's q with the target's p: both engines return logits
+                        gather_generation_logits=bool(s.use_draft_logits))
+
+
+def build_params(spec: Spec, role: str) -> dict:
+    """What the build step of `role` depends on (hashed into its key): engine limits and speculative flags."""
+    limits = engine_limits(spec, role)
     return {
-        "max_batch_size": e.max_batch_size, "max_input_len": e.max_input_len, "max_seq_len": e.max_seq_len,
-        "max_num_tokens": e.max_num_tokens, "max_draft_len": draft_len, "speculative_decoding_mode": mode,
-        # lossless acceptance compares the draft's q with the target's p: both engines return logits
-        "gather_generation_logits": bool(s.use_draft_logits),
-        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": 32,
+        "max_batch_size": limits.max_batch_size, "max_input_len": limits.max_input_len,
+        "max_seq_len": limits.max_seq_len, "max_num_tokens": limits.max_num_tokens,
+        "max_draft_len": limits.max_draft_len, "speculative_decoding_mode": decoding_mode(spec, role),
+        "gather_generation_logits": limits.gather_generation_logits,
+        "use_paged_context_fmha": True, "paged_kv_cache": True, "tokens_per_block": limits.tokens_per_block,
     }
 
 
@@ -209,24 +222,29 @@ def model_roles(spec: Spec) -> list[tuple[str, ModelSpec]]:
     return roles
 
 
-def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None) -> Plan:
-    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed."""
+def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | None = None,
+              inspection: Report | None = None) -> Plan:
+    """Every step of `spec` for `toolchain` (default: the spec's, with auto resolved), keys computed.
+
+    The plan carries the inspection (inspect_spec: incompatible checkpoints and impossible memory plans fail
+    here, before any work); pass `inspection` to plan the same spec for another toolchain without re-reading.
+    """
     toolchain = toolchain or resolve_toolchain(spec)[0]
-    check_pickle_policy(spec)
+    inspection = inspection or inspect_spec(spec)
     own_digests = digests is None
     if own_digests:
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
-    plan = Plan(spec=spec, toolchain=toolchain)
+    plan = Plan(spec=spec, toolchain=toolchain, inspection=inspection)
     builds_engines = toolchain_traits(toolchain).engine_build
     for role, model in model_roles(spec):
         if not builds_engines:  # LLM API: the HF checkpoint is served; quantizing it is the only step
-            steps = quantize_steps(spec, role, model, versions, digests)
+            steps = quantize_steps(spec, role, model, versions, digests, inspection)
             plan.steps += steps
             if not steps:
                 plan.served[role] = folder_digest(model.checkpoint, digests)
             continue
-        params = convert_params(spec, role, model)
+        params = convert_params(spec, role, model, inspection)
         inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
         if "medusa" in params:
             inputs["medusa"] = folder_digest(spec.speculative.medusa.checkpoint, digests)
@@ -248,14 +266,17 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     return plan
 
 
-def quantize_steps(spec: Spec, role: str, model: ModelSpec, versions: dict, digests: DigestCache) -> list[Step]:
+def quantize_steps(spec: Spec, role: str, model: ModelSpec, versions: dict, digests: DigestCache,
+                   inspection: Report) -> list[Step]:
     """For toolchains without an engine build: one ModelOpt quantize step writing a quantized HF checkpoint,
     or none when the model is served as it is."""
     if model.qformat == "none" and model.kv_cache_dtype == "none":
         return []
-    params = {"architecture": read_checkpoint(model.checkpoint, f"models.{role}.checkpoint").architecture,
+    params = {"architecture": inspection.models[role].architecture,
               "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
               "calib_size": model.calib_size}
+    if model.qformat == "int4_awq":
+        params["group_size"] = model.group_size
     inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
     return [Step(role=role, kind="quantize", params=params, inputs=inputs, versions=versions,
                  key=_hash({"kind": "quantize", "params": params, "inputs": inputs, "versions": versions}))]

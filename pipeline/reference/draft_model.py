@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
@@ -46,7 +47,8 @@ class DraftModelProposer:
 
     needs_hidden_states = False
 
-    def __init__(self, model: LlamaModel, max_batch_size: int = 8, max_seq_len: int = 2048, tokens_per_block: int = 32):
+    def __init__(self, model: LlamaModel, max_batch_size: int = 8, max_seq_len: int = 2048,
+                 tokens_per_block: int = TOKENS_PER_BLOCK):
         self.model = model
         num_blocks = max_batch_size * -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size
         self.kv = model.new_kv_cache(num_blocks, tokens_per_block)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.checkpoints import eagle3_capture_layers
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import ForwardOutput, LlamaModel, SequenceInput, config_from_hf
 from pipeline.reference.proposers import Draft, ProposalInput
@@ -150,7 +151,7 @@ class EagleProposer:
     needs_hidden_states = True
 
     def __init__(self, net: Eagle1Net | Eagle3Net, choices=None, dynamic_top_k: int | None = None, depth: int = 3,
-                 max_batch_size: int = 8, max_seq_len: int = 2048, tokens_per_block: int = 32):
+                 max_batch_size: int = 8, max_seq_len: int = 2048, tokens_per_block: int = TOKENS_PER_BLOCK):
         if (choices is None) == (dynamic_top_k is None):
             raise ValueError("give either eagle choices (EAGLE-1 static tree) or dynamic_top_k (EAGLE-2 dynamic tree)")
         self.net = net

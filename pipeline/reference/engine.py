@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.limits import EngineLimits
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
 from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -46,7 +47,7 @@ class EngineInputError(ValueError):
 
 @dataclass
 class Request:
-    """One generation request (see brief §2 / the tensorrtllm backend's inputs)."""
+    """One generation request (the tensorrtllm backend's inputs: pipeline/contracts/triton-trtllm-backend-models.json)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -71,16 +72,10 @@ class RequestOutput:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
-@dataclass
-class EngineConfig:
+@dataclass(frozen=True)
+class EngineConfig(EngineLimits):
     """Limits of one engine (the build_config of an engine directory) and KV cache sizing."""
 
-    max_batch_size: int = 8
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
-    max_draft_len: int = 0
-    tokens_per_block: int = 32
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
@@ -88,11 +83,8 @@ class EngineConfig:
     @classmethod
     def from_engine_config(cls, config: dict, **overrides) -> "EngineConfig":
         """From an engine directory's config.json dict."""
-        build = config.get("build_config", {})
         quant = config.get("pretrained_config", {}).get("quantization") or {}
-        values = {k: build[k] for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_draft_len")
-                  if build.get(k) is not None}
-        values["tokens_per_block"] = build.get("plugin_config", {}).get("tokens_per_block", 32)
+        values = EngineLimits.build_config_values(config.get("build_config", {}))
         values["kv_cache_quant_algo"] = quant.get("kv_cache_quant_algo")
         return cls(**{**values, **overrides})
 

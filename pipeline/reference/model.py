@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +32,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> dict:
-    """The engine's `pretrained_config` dict (docs: brief §1 / TensorRT-LLM layout) from an HF config.json dict."""
+    """The engine's `pretrained_config` dict (docs/engine-format.md, TensorRT-LLM's layout) from an HF config.json dict."""
     arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; use one of {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -274,8 +275,7 @@ def _wide_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def perplexity(model: LlamaModel, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:] given their prefixes, from one prefill."""
-    block_size = 32
-    kv = model.new_kv_cache(-(-len(token_ids) // block_size), block_size)
+    kv = model.new_kv_cache(-(-len(token_ids) // TOKENS_PER_BLOCK), TOKENS_PER_BLOCK)
     seq = SequenceInput(token_ids, 0, list(range(kv.num_blocks)), logits_rows=list(range(len(token_ids) - 1)))
     logits = model([seq], kv).logits  # [N - 1, vocab]
     nll = F.cross_entropy(logits, torch.tensor(token_ids[1:]))

@@ -22,13 +22,14 @@ def run_repo(args: argparse.Namespace) -> int:
     """`python -m pipeline repo SPEC`: write <out_dir>/model_repo (and the trtllm repository + launch script)."""
     from pipeline.repo.assemble import assemble
     from pipeline.repo.launch import write_launch_script
-    from specbuild.plan import resolve_toolchain
+    from specbuild.plan import make_plan, resolve_toolchain
 
     spec = spec_from_args(args)
     toolchain = args.toolchain or resolve_toolchain(spec)[0]
+    plan = make_plan(spec, toolchain)
     # A CPU spec also gets the GPU toolchain's repository: the same service for a GPU host.
     for tc in (toolchain,) if toolchain_traits(toolchain).gpu else (toolchain, GPU_TOOLCHAIN):
-        repo = assemble(spec, tc)
+        repo = assemble(plan if tc == toolchain else make_plan(spec, tc, inspection=plan.inspection))
         print(f"model repository ({tc}): {repo}  [validated: configs parse as Triton ModelConfig, "
               "tensors match NVIDIA's interface, limits match the engines]")
         if toolchain_traits(tc).repository == "llmapi":

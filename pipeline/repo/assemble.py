@@ -6,36 +6,37 @@ The ensemble is one step into tensorrt_llm_bls, so a text request speculates whe
 num_draft_tokens. The python models (everything but the trtllm engines) are the files of
 model_repo/ in this project, the same code for both toolchains.
 
-    repo = assemble(spec, toolchain="reference")      # -> <out_dir>/model_repo
+    repo = assemble(make_plan(spec, "reference"))      # -> <out_dir>/model_repo
+
+Everything comes from the Plan (its inspection: memory plan, vocabulary; its build steps: the limits of
+engines a GPU host will build) and from built engines' config.json: the checkpoints are not read again.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
 from pipeline.toolchains import toolchain_traits
+from specbuild.plan import Plan, engine_limits
 
 MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    """What the repository needs to know about one engine."""
+class EngineInfo(EngineLimits):
+    """What the repository needs to know about one engine: its limits, where it is, its vocabulary."""
 
-    path: Path
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_draft_len: int
-    gather_generation_logits: bool
-    vocab_size: int
+    path: Path = field(kw_only=True)
+    vocab_size: int = field(kw_only=True)
 
     @classmethod
     def from_engine_dir(cls, engine_dir: Path) -> "EngineInfo":
@@ -44,32 +45,19 @@ class EngineInfo:
         if not cfg_path.is_file():
             raise SpecError("engines", f"{cfg_path} does not exist", "run `make engines` (python -m pipeline engines SPEC) first")
         cfg = json.loads(cfg_path.read_text())
-        pre, build = cfg["pretrained_config"], cfg["build_config"]
-        return cls(path=Path(engine_dir).resolve(), max_batch_size=build["max_batch_size"],
-                   max_input_len=build["max_input_len"], max_seq_len=build["max_seq_len"],
-                   max_draft_len=build.get("max_draft_len") or 0,
-                   gather_generation_logits=bool(build.get("gather_generation_logits")),
-                   vocab_size=pre["vocab_size"])
+        return cls(path=Path(engine_dir).resolve(), vocab_size=cfg["pretrained_config"]["vocab_size"],
+                   **EngineLimits.build_config_values(cfg["build_config"]))
 
     @classmethod
-    def planned(cls, spec: Spec, role: str, path: Path) -> "EngineInfo":
-        """The engine the trtllm build script will produce (it is built on the GPU host, not here)."""
-        from pipeline.checkpoints import read_checkpoint
-        from specbuild.plan import build_params
-
-        bp = build_params(spec, role)
-        model = spec.models.target if role == "target" else spec.models.draft
-        ckpt = read_checkpoint(model.checkpoint, f"models.{role}.checkpoint")
-        return cls(path=path, max_batch_size=bp["max_batch_size"], max_input_len=bp["max_input_len"],
-                   max_seq_len=bp["max_seq_len"], max_draft_len=bp["max_draft_len"],
-                   gather_generation_logits=bp["gather_generation_logits"], vocab_size=ckpt.vocab_size)
+    def planned(cls, plan: Plan, role: str, path: Path) -> "EngineInfo":
+        """The engine a GPU host will build from the plan's build step (not built here)."""
+        limits = engine_limits(plan.spec, role)
+        return cls(path=path, vocab_size=plan.inspection.models[role].vocab_size, **dataclasses.asdict(limits))
 
 
-def kv_fractions(spec: Spec) -> dict[str, float]:
+def kv_fractions(plan: Plan) -> dict[str, float]:
     """kv_cache_free_gpu_mem_fraction per engine role, from the memory plan (which honours the spec's values)."""
-    from pipeline.checkpoints import inspect_spec
-
-    return {e.role: e.kv_fraction for e in inspect_spec(spec).memory.engines}
+    return {e.role: e.kv_fraction for e in plan.inspection.memory.engines}
 
 
 def _choices_brace(choices) -> str:
@@ -174,24 +162,25 @@ def ensemble_model(spec: Spec) -> ModelConfigSpec:
                            inputs=iface.inputs, outputs=iface.outputs, ensemble_steps=(step,))
 
 
-def engine_infos(spec: Spec, toolchain: str) -> tuple[EngineInfo, EngineInfo | None]:
+def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
     """Target and draft engine facts: read from built engines (reference) or from the plan (trtllm)."""
-    has_draft = traits(spec.speculative.mode).has_draft_engine
-    tc = toolchain_traits(toolchain)
-    engines = spec.out_dir / tc.out_subdir / "engines"
+    has_draft = traits(plan.spec.speculative.mode).has_draft_engine
+    tc = toolchain_traits(plan.toolchain)
+    engines = plan.spec.out_dir / tc.out_subdir / "engines"
     if not tc.engines_built_here:  # the GPU host's build script links them there
-        target = EngineInfo.planned(spec, "target", engines / "target")
-        draft = EngineInfo.planned(spec, "draft", engines / "draft") if has_draft else None
+        target = EngineInfo.planned(plan, "target", engines / "target")
+        draft = EngineInfo.planned(plan, "draft", engines / "draft") if has_draft else None
     else:
         target = EngineInfo.from_engine_dir(engines / "target")
         draft = EngineInfo.from_engine_dir(engines / "draft") if has_draft else None
     return target, draft
 
 
-def repo_models(spec: Spec, toolchain: str, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
+def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
     """Every model config of the repository."""
+    spec, toolchain = plan.spec, plan.toolchain
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
-    kv = kv_fractions(spec)
+    kv = kv_fractions(plan)
     models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
               engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
     if draft is not None:
@@ -221,19 +210,18 @@ def write_repo(models: list[ModelConfigSpec], dest: Path) -> Path:
     return dest
 
 
-def assemble(spec: Spec, toolchain: str) -> Path:
-    """Generate, write and validate the model repository of `spec` for `toolchain`; returns its folder."""
+def assemble(plan: Plan) -> Path:
+    """Generate, write and validate the model repository of the plan's spec and toolchain; returns its folder."""
     from pipeline.repo.validate import validate_repo
 
-    if toolchain_traits(toolchain).repository == "llmapi":  # one LLM API model on HF checkpoints, no engines
+    if toolchain_traits(plan.toolchain).repository == "llmapi":  # one LLM API model on HF checkpoints, no engines
         from pipeline.llmapi import llm_args
         from pipeline.repo.llmapi import write_llmapi_repo
-        from specbuild.plan import make_plan
         from specbuild.toolchains import toolchain_module
 
-        dirs = toolchain_module(toolchain).model_dirs(make_plan(spec, toolchain))
-        return write_llmapi_repo(llm_args(spec, dirs, kv_fractions(spec)["target"]), repo_dir(spec, toolchain))
-    target, draft = engine_infos(spec, toolchain)
-    dest = write_repo(repo_models(spec, toolchain, target, draft), repo_dir(spec, toolchain))
-    validate_repo(dest, spec, target, draft)
+        dirs = toolchain_module(plan.toolchain).model_dirs(plan)
+        return write_llmapi_repo(llm_args(plan.spec, dirs, kv_fractions(plan)["target"]), repo_dir(plan.spec, plan.toolchain))
+    target, draft = engine_infos(plan)
+    dest = write_repo(repo_models(plan, target, draft), repo_dir(plan.spec, plan.toolchain))
+    validate_repo(dest, plan.spec, target, draft)
     return dest

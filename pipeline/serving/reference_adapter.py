@@ -9,8 +9,11 @@ The other direction, the arrays a caller (the BLS) sends, is engine_io.py (numpy
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -139,8 +142,6 @@ class MeteredEngine(LLMEngine):
 
 def parse_choices(text: str) -> list[tuple[int, ...]]:
     """TensorRT-LLM's brace format for medusa_choices / eagle_choices: "{0}, {0, 0}, {1}" -> [(0,), (0, 0), (1,)]."""
-    import re
-
     choices = [tuple(int(i) for i in body.replace(" ", "").split(",") if i) for body in re.findall(r"\{([^{}]*)\}", text)]
     if not choices or any(not c for c in choices):
         raise ValueError(f"tree choices {text!r}: write them as brace lists, e.g. \"{{0}}, {{0, 0}}, {{1}}\"")
@@ -157,9 +158,6 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
     `eagle_dynamic_tree_top_k` when that is set.
     """
-    import json
-    from pathlib import Path
-
     parameters = parameters or {}
     max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")

@@ -1,7 +1,7 @@
 """One module per toolchain, all of one shape:
 
     versions() -> dict             the versions a step's output depends on (part of every cache key)
-    build(spec) -> int             the `engines` command: build here, or write the script for a GPU host
+    build(plan) -> int             the `engines` command: build here, or write the script for a GPU host
     build_script(plan) -> str|None the script a GPU host runs (None: the engines build here)
 
 What the later stages need to know about a toolchain is a row of pipeline/toolchains.py.

@@ -13,7 +13,6 @@ import shutil
 import time
 
 from pipeline import stack
-from pipeline.checkpoints import inspect_spec
 from pipeline.spec import Spec, SpecError
 from specbuild.execute import (STEP_FILE, entry_dir, folder_bytes, is_cached, link, manifest, remove_stale_temporaries,
                                step_record, write_if_changed)
@@ -34,9 +33,9 @@ def versions() -> dict:
             "torch": torch_version}
 
 
-def build(spec: Spec) -> int:
-    """The `engines` command: build every missing step here."""
-    run_reference(spec)
+def build(plan: Plan) -> int:
+    """The `engines` command: build every missing step of the plan here."""
+    run_plan(plan)
     return 0
 
 
@@ -87,11 +86,17 @@ def check_reference_rules(spec: Spec) -> None:
 
 
 def run_reference(spec: Spec) -> Plan:
-    """Build every missing step of the reference plan, printing one line per step."""
-    started = time.perf_counter()
-    check_reference_rules(spec)
-    inspect_spec(spec)  # incompatible checkpoints and impossible memory plans fail before any work
+    """Plan `spec` for the reference toolchain and build every missing step; returns the plan."""
     plan = make_plan(spec, "reference")
+    run_plan(plan)
+    return plan
+
+
+def run_plan(plan: Plan) -> None:
+    """Build every missing step of a reference plan, printing one line per step; link engines, write the manifest."""
+    started = time.perf_counter()
+    spec = plan.spec
+    check_reference_rules(spec)
     cache_dir = spec.output.cache_dir
     remove_stale_temporaries(cache_dir)
     built = 0
@@ -113,4 +118,3 @@ def run_reference(spec: Spec) -> Plan:
         print(f"nothing to do: all {len(plan.steps)} steps cached ({elapsed:.2f} s); engines in {spec.out_dir / 'engines'}")
     else:
         print(f"built {built} of {len(plan.steps)} steps in {elapsed:.1f} s; engines in {spec.out_dir / 'engines'}")
-    return plan

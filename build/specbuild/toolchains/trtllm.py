@@ -26,10 +26,9 @@ from pathlib import Path
 import pipeline
 from pipeline import stack
 from pipeline.modes import traits
-from pipeline.checkpoints import inspect_spec
 from pipeline.spec import CALIBRATED_QFORMATS, Spec, SpecError
 from specbuild.execute import write_if_changed
-from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
+from specbuild.plan import Plan, Step, resolve_toolchain
 
 CONTRACT = Path(pipeline.__file__).parent / "contracts" / "trtllm-1.2.1-cli.json"
 # Script paths under $TRTLLM_EXAMPLES (TensorRT-LLM 1.2.1 layout), by contract tool name.
@@ -92,7 +91,10 @@ def step_command(plan: Plan, step: Step) -> Command:
     out = f"$CACHE_DIR/{step.key}.tmp"
     if step.kind == "build":
         upstream = next(s for s in plan.steps if s.key == step.upstream)
-        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, upstream.params["tp_size"] * upstream.params["pp_size"])
+        ranks = upstream.params["tp_size"] * upstream.params["pp_size"]
+        # trtllm-build builds every rank on one host, rank r on GPU r % workers (build.py parallel_build):
+        # an engine spanning nodes builds on one node's GPUs.
+        return build_command(step, f"$CACHE_DIR/{step.upstream}", out, min(ranks, plan.spec.gpu.gpus_per_node))
     return convert_command(plan.spec, step, out)
 
 
@@ -150,8 +152,8 @@ def convert_command(spec: Spec, step: Step, out: str) -> Command:
     return Command("convert_checkpoint_llama", tuple(common + workers + weight_only + kv_flag))
 
 
-def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Command:
-    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per rank."""
+def build_command(step: Step, checkpoint: str, out: str, workers: int = 1) -> Command:
+    """trtllm-build for one engine: limits, paged KV with paged context FMHA, speculative flags, one worker per GPU."""
     p = step.params
     args = ["--checkpoint_dir", checkpoint, "--output_dir", out,
             "--max_batch_size", str(p["max_batch_size"]), "--max_input_len", str(p["max_input_len"]),
@@ -165,8 +167,8 @@ def build_command(step: Step, checkpoint: str, out: str, ranks: int = 1) -> Comm
         args += ["--max_draft_len", str(p["max_draft_len"])]  # medusa/eagle: the converter wrote it into the checkpoint
     if p["gather_generation_logits"]:
         args += ["--gather_generation_logits"]
-    if ranks > 1:
-        args += ["--workers", str(ranks)]
+    if workers > 1:
+        args += ["--workers", str(workers)]
     return Command("trtllm-build", tuple(args))
 
 
@@ -351,10 +353,9 @@ def build_script(plan: Plan) -> str:
     return render_script(plan)
 
 
-def build(spec: Spec) -> int:
+def build(plan: Plan) -> int:
     """The `engines` command: write the GPU script; run it here only when TensorRT-LLM and a GPU are present."""
-    inspect_spec(spec)
-    plan = make_plan(spec, "trtllm")
+    spec = plan.spec
     script = spec.out_dir / "trtllm" / "build_engines.sh"
     write_if_changed(script, render_script(plan))
     script.chmod(0o755)

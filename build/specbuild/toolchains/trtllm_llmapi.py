@@ -59,6 +59,8 @@ def quantize_command(step: Step) -> list[str]:
     args = ["--pyt_ckpt_path", f"${MODEL_DIR_VARS[step.role]}", "--qformat", MODELOPT_QFORMAT.get(p["qformat"], p["qformat"]),
             "--kv_cache_qformat", MODELOPT_KV_QFORMAT[p["kv_cache_dtype"]], "--calib_size", str(p["calib_size"]),
             "--export_path", f"$CACHE_DIR/{step.key}.tmp"]
+    if "group_size" in p:  # int4_awq: the spec's group size
+        args += ["--awq_block_size", str(p["group_size"])]
     facts = contract()["modelopt_hf_ptq"]
     options = [a for a in args if a.startswith("--")]
     if set(options) - set(facts["options"]):

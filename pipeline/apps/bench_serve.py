@@ -114,7 +114,7 @@ def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurr
 
 def run_bench(spec, log=print) -> str:
     """Run every measurement (engine and Triton alternating, REPEATS times, medians); returns the markdown section."""
-    from specapps.demo import DEMO_PROMPTS, chat_prompt
+    from pipeline.apps.demo import DEMO_PROMPTS, chat_prompt
     from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.repo.validate import load_config
@@ -125,8 +125,7 @@ def run_bench(spec, log=print) -> str:
     from pipeline.serving.text import load_tokenizer
     from pipeline.corpus import local_text
 
-    run_reference(spec)
-    repo = assemble(spec, "reference")
+    repo = assemble(run_reference(spec))
     tokenizer = load_tokenizer(str(spec.models.target.checkpoint))
     k = spec.speculative.num_draft_tokens
     words = local_text(20_000).split()
@@ -215,7 +214,7 @@ def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None
 
 
 def main(argv=None) -> int:
-    """`python -m specapps.bench_serve SPEC`."""
+    """`python -m pipeline.apps.bench_serve SPEC`."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's models run (pipeline.server.server_env)
     from pipeline.spec import load_spec
 

@@ -13,7 +13,7 @@ measured in the same run). Pairs:
 - trained-weak: the same target with an untrained draft of the same shape (acceptance near 0).
 Writes docs/bench-engine.json, docs/bench-engine.md and docs/img/bench-engine-speedup.png.
 
-    python -m specapps.bench_engine [--ks 2,4] [--smollm2-ks 4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
+    python -m pipeline.apps.bench_engine [--ks 2,4] [--smollm2-ks 4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
 """
 
 from __future__ import annotations

@@ -67,8 +67,7 @@ def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
     from pipeline.serving.text import load_tokenizer
 
     t0 = time.perf_counter()
-    run_reference(spec)
-    repo = assemble(spec, "reference")
+    repo = assemble(run_reference(spec))
     log(f"model repository: {repo} ({time.perf_counter() - t0:.0f} s so far)")
     s = spec.serving
     ports = [s.http_port, s.grpc_port, s.metrics_port]
