@@ -1,6 +1,8 @@
 """Client for the speculative-decoding Triton service: text in, text plus acceptance statistics out.
 
-Talks to the `ensemble` or `tensorrt_llm_bls` model (NVIDIA inflight_batcher_llm tensor names) over
+Talks to the `ensemble` or `tensorrt_llm_bls` model (NVIDIA inflight_batcher_llm tensor names), or to the
+`tensorrt_llm` model of NVIDIA's LLM API repository (`text_input` + `sampling_param_*` tensors, draft length
+fixed per server: per-request `num_draft_tokens` / `use_draft_logits` are refused, not ignored), over
 - gRPC: Triton's bidirectional ModelStreamInfer RPC, built from tritonclient's protobuf stubs. The
   stream RPC serves decoupled and non-decoupled models alike, so non-streaming requests use it too
   (stream=false: the model sends one final response);
@@ -89,7 +91,8 @@ class GenerateRequest:
                   "use_draft_logits": self.use_draft_logits, "end_id": self.end_id, "pad_id": self.pad_id,
                   "stop_words": self.stop_words or None, "bad_words": self.bad_words or None,
                   **{name: True for name in ("return_log_probs", "return_generation_logits", "return_context_logits")
-                     if getattr(self, name)}}
+                     if getattr(self, name)},
+                  "return_perf_metrics": True}  # the LLM API model reports acceptance only when asked
         fields.update(vars(self.sampling))
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -97,9 +100,18 @@ class GenerateRequest:
 # Logits responses (vocab floats per token) outgrow gRPC's default 4 MB message limit.
 GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 # Inputs a model may lack without harm: the client then does without them.
-OPTIONAL_EXTRAS = {"exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens", "stream"}
-# Older NVIDIA configs call the seed input random_seed.
-ALIASES = {"seed": ("seed", "random_seed")}
+OPTIONAL_EXTRAS = {"exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens", "stream",
+                   "return_perf_metrics"}
+# Our name -> the input names models use for it: older NVIDIA configs call the seed random_seed; NVIDIA's
+# LLM API model (all_models/llmapi, the trtllm-llmapi toolchain) takes sampling_param_* tensors.
+ALIASES = {"seed": ("seed", "random_seed", "sampling_param_seed"), "max_tokens": ("max_tokens", "sampling_param_max_tokens"),
+           "stream": ("stream", "streaming"), "stop_words": ("stop_words", "sampling_param_stop"),
+           "exclude_input_in_output": ("exclude_input_in_output", "sampling_param_exclude_input_from_output"),
+           "return_perf_metrics": ("sampling_param_return_perf_metrics",),
+           **{name: (name, f"sampling_param_{name}") for name in ("temperature", "top_k", "top_p", "presence_penalty",
+                                                                  "frequency_penalty")}}
+# Per-request speculation fields an LLM API model does not have: its draft length is fixed per server.
+PER_REQUEST_SPECULATION = ("num_draft_tokens", "use_draft_logits")
 
 
 @dataclass
@@ -170,11 +182,20 @@ class ModelInputs:
     name: str
     inputs: dict[str, tuple[str, list[int]]]
 
+    @property
+    def is_llmapi(self) -> bool:
+        """NVIDIA's LLM API model (text_input + sampling_param_* tensors), not the inflight_batcher_llm ones."""
+        return "sampling_param_max_tokens" in self.inputs
+
     def encode(self, fields: dict[str, object]) -> dict[str, object]:
         """Keep the fields the model accepts (under its own names); refuse ones it cannot honour."""
         encoded = {}
         for name, value in fields.items():
             wire = next((alias for alias in ALIASES.get(name, (name,)) if alias in self.inputs), None)
+            if wire is None and name in PER_REQUEST_SPECULATION and self.is_llmapi:
+                raise ClientError("invalid_request", f"model '{self.name}' is TensorRT-LLM's LLM API model: its draft "
+                                  f"length is fixed per server (speculative_config in model.yaml), there is no per-request "
+                                  f"'{name}'; drop it (CLI --num-draft-tokens / --use-draft-logits, OpenAI extra_body, bench --k)")
             if wire is None:
                 if name in OPTIONAL_EXTRAS:
                     continue

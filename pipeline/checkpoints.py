@@ -294,6 +294,21 @@ def check_medusa(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
     return {"num_heads": len(heads), "num_layers": layers, "has_lm_heads": has_lm_heads}, warnings
 
 
+def eagle3_capture_layers(layers: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs feed EAGLE-3's fc, ascending: the spec's, or TensorRT-LLM's default
+    (1, L // 2 - 1, L - 4), defined for targets of more than 5 layers (pipeline/contracts/llmapi-facts.md)."""
+    where = "speculative.eagle.layers_to_capture"
+    if layers is None:
+        if num_layers <= 5:
+            raise SpecError(where, f"the target has {num_layers} layers; the default (1, L//2-1, L-4) needs more than 5",
+                            "list the target layers the EAGLE-3 head was trained on, e.g. [0, 1, 2]")
+        return 1, num_layers // 2 - 1, num_layers - 4
+    if len(set(layers)) != len(layers) or any(i >= num_layers for i in layers):
+        raise SpecError(where, f"{list(layers)} must be distinct layer ids below the target's {num_layers} layers",
+                        "list the layers the EAGLE-3 head was trained on")
+    return tuple(sorted(layers))
+
+
 def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
     """EAGLE weight shapes against the target; returns (the draft layer config, warnings)."""
     e = spec.speculative.eagle
@@ -319,6 +334,8 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
     warnings = []
     if tensors is None:
         warnings.append("EAGLE weights are a pickle file: shapes are checked when they are converted")
+        if e.version == 3:
+            draft_config["layers_to_capture"] = list(eagle3_capture_layers(e.layers_to_capture, target.num_layers))
         return draft_config, warnings
     is_v3 = any(k.startswith("midlayer.") for k in tensors)
     if is_v3 and e.version != 3:
@@ -330,12 +347,13 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
     if eh != H and not is_v3:
         raise SpecError(where, f"EAGLE hidden_size {eh} differs from the target's {H}", "use EAGLE weights trained for this target")
     if is_v3:
+        draft_config["layers_to_capture"] = list(eagle3_capture_layers(e.layers_to_capture, target.num_layers))
         ht = config.get("target_hidden_size") or H
         if ht != H:
             raise SpecError(where, f"EAGLE-3 target_hidden_size {ht} differs from the target's {H}",
                             "use EAGLE-3 weights trained for this target")
         vd = config.get("draft_vocab_size") or V
-        expect = {"fc.weight": (eh, 3 * H), "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * eh),
+        expect = {"fc.weight": (eh, len(draft_config["layers_to_capture"]) * H), "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * eh),
                   "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * eh), "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * eh),
                   "midlayer.self_attn.o_proj.weight": (eh, nh * hd), "midlayer.mlp.gate_proj.weight": (inter, eh),
                   "midlayer.mlp.up_proj.weight": (inter, eh), "midlayer.mlp.down_proj.weight": (eh, inter),

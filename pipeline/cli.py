@@ -17,7 +17,7 @@ import sys
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
 from pipeline.spec import SpecError
-from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
+from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
 SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.apps.bench", "pipeline.apps.demo"]
@@ -48,14 +48,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from specbuild import plan as planning
 
     spec = spec_from_args(args)  # make_plan inspects: incompatible checkpoints fail before any script is written
-    if args.dry_run:
+    if args.dry_run:  # the GPU toolchain's script: --toolchain, else the spec's if it is a GPU one, else trtllm
         from specbuild.toolchains import toolchain_module
 
-        from pipeline.gpus import dtype_notices
+        gpu = args.toolchain or (spec.toolchain if spec.toolchain in TOOLCHAINS and toolchain_traits(spec.toolchain).gpu
+                                 else GPU_TOOLCHAIN)
+        if gpu == GPU_TOOLCHAIN:  # TensorRT-LLM engines: float32 builds in a 16-bit dtype
+            from pipeline.gpus import dtype_notices
 
-        for notice in dtype_notices(spec):
-            print(notice, file=sys.stderr)
-        sys.stdout.write(toolchain_module(GPU_TOOLCHAIN).build_script(planning.make_plan(spec, GPU_TOOLCHAIN)))
+            for notice in dtype_notices(spec):
+                print(notice, file=sys.stderr)
+        sys.stdout.write(toolchain_module(gpu).build_script(planning.make_plan(spec, gpu)))
         return 0
     toolchain, notice = planning.resolve_toolchain(spec) if args.toolchain is None else (args.toolchain, None)
     if notice:

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import yaml
 
 from pipeline import __version__, lws, stack
 from pipeline.cliargs import add_spec_arguments
+from pipeline.llmapi import TOOLCHAIN as LLMAPI_TOOLCHAIN
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
 from pipeline.spec import Spec, SpecError, load_spec, named_checkpoints, parse_spec, to_dict
@@ -41,6 +43,7 @@ from specbuild.toolchains import toolchain_module
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GENERATED = "generated"  # the component folder inside an overlay
 GPU_COMPONENT = "components/gpu"  # an overlay that uses it serves trtllm engines
+LLMAPI_COMPONENT = "components/llmapi"  # ... or, with this one too, the LLM API (trtllm-llmapi)
 # What a LeaderWorkerSet needs beyond the spec-derived part, from overlays/<name>/generated.
 MULTINODE_COMPONENT = "../../../components/multinode"
 PIPELINE_IMAGE = "specdeploy"  # image of this project (deploy/Dockerfile); tag = pipeline.__version__
@@ -59,7 +62,7 @@ HPA_METRIC = "triton_queue_compute_ratio"
 # The example spec each overlay of deploy/overlays/ is rendered from by `make deploy-render`.
 EXAMPLE_SPECS = {"cpu-reference": "examples/default.yaml", "gpu-draft-target": "examples/draft-target.yaml",
                  "gpu-medusa": "examples/medusa.yaml", "gpu-eagle": "examples/eagle.yaml",
-                 "gpu-multinode": "examples/multinode.yaml"}
+                 "gpu-multinode": "examples/multinode.yaml", "gpu-llmapi": "examples/eagle3.yaml"}
 # Spec fields holding a checkpoint folder, by the role name used under /models/<build-key>/.
 CHECKPOINT_FIELDS = {"target": ("models", "target"), "draft": ("models", "draft"),
                      "medusa": ("speculative", "medusa"), "eagle": ("speculative", "eagle")}
@@ -174,10 +177,11 @@ def acceptance_floor(plan: Plan) -> float:
 
 
 def overlay_toolchain(overlay: Path) -> str:
-    """The GPU toolchain (trtllm) when the overlay uses the GPU component, else the CPU one (reference)."""
-    kustomization = read_kustomization(overlay)
-    uses_gpu = any(str(c).rstrip("/").endswith(GPU_COMPONENT) for c in kustomization.get("components") or [])
-    return GPU_TOOLCHAIN if uses_gpu else CPU_TOOLCHAIN
+    """trtllm-llmapi with the llmapi component, else the GPU toolchain (trtllm) with the GPU component, else reference."""
+    components = [str(c).rstrip("/") for c in read_kustomization(overlay).get("components") or []]
+    if any(c.endswith(LLMAPI_COMPONENT) for c in components):
+        return LLMAPI_TOOLCHAIN
+    return GPU_TOOLCHAIN if any(c.endswith(GPU_COMPONENT) for c in components) else CPU_TOOLCHAIN
 
 
 def read_kustomization(overlay: Path) -> dict:
@@ -211,14 +215,14 @@ def cluster_view(spec: Spec, toolchain: str, build_key: str, roles: list[str]) -
 def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                     hf_repos: dict[str, str] | None = None) -> DeployPlan:
     """Plan the engines of `spec` for `toolchain` and collect every value the manifests need."""
-    from pipeline.repo.assemble import EngineInfo, repo_models
+    from pipeline.repo.assemble import EngineInfo, kv_fractions, repo_models
 
     hf_repos = dict(hf_repos or {})
     if spec.toolchain not in ("auto", toolchain):
         raise DeployError("toolchain", f"the spec says {spec.toolchain!r} but this overlay serves {toolchain!r} engines",
                           "use the overlay of that toolchain (cpu-reference or a gpu-* overlay), or change toolchain")
     plan = make_plan(spec, toolchain)
-    digests = {}
+    digests = dict(plan.served)  # folders served as they are (no engine build)
     for step in plan.steps:
         if step.kind in ("convert", "quantize"):
             digests[step.role] = step.inputs["checkpoint"]
@@ -236,13 +240,17 @@ def plan_deployment(spec: Spec, toolchain: str, namespace: str | None = None,
                                       image_path=image_path(local), hf_repo=hf_repos.get(role)))
     cluster_spec = cluster_view(spec, toolchain, plan.build_key, list(digests))
 
-    target = EngineInfo.planned(plan, "target", Path("target"))
-    draft = EngineInfo.planned(plan, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
-    models = repo_models(plan, target, draft)  # the repository the build Job will assemble
-    kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
+    if toolchain_traits(toolchain).repository == "llmapi":  # one LLM API model
+        model_names, kv = (TARGET_MODEL,), {TARGET_MODEL: kv_fractions(plan)["target"]}
+    else:
+        target = EngineInfo.planned(plan, "target", Path("target"))
+        draft = EngineInfo.planned(plan, "draft", Path("draft")) if traits(spec.speculative.mode).has_draft_engine else None
+        models = repo_models(plan, target, draft)  # the repository the build Job will assemble
+        model_names = tuple(m.name for m in models)
+        kv = {m.name: float(m.parameters[KV_FRACTION_PARAM]) for m in models if KV_FRACTION_PARAM in (m.parameters or {})}
     script = toolchain_module(toolchain).build_script(dataclasses.replace(plan, spec=cluster_spec))
     return DeployPlan(spec=spec, cluster_spec=cluster_spec, toolchain=toolchain, build_key=plan.build_key,
-                      checkpoints=tuple(checkpoints), model_names=tuple(m.name for m in models),
+                      checkpoints=tuple(checkpoints), model_names=model_names,
                       kv_fractions=(kv[TARGET_MODEL], kv.get(DRAFT_MODEL)), acceptance_floor=acceptance_floor(plan),
                       namespace=namespace, trtllm_script=script, topology=lws.topology(spec, toolchain))
 
@@ -256,6 +264,8 @@ def server_command(d: DeployPlan) -> list[str]:
         return ["python", "-m", "pipeline", "serve", str(FILES_MOUNT / "spec.yaml"), "--log-file", "/tmp/tritonserver.log"]
     if d.topology:  # a LeaderWorkerSet group: the leader's script starts every rank (pipeline/lws.py)
         return ["bash", str(FILES_MOUNT / lws.LEADER_SCRIPT)]
+    if toolchain_traits(d.toolchain).repository == "llmapi":
+        return llmapi_server_command(d)
     # What TensorRT-LLM's launch_triton_server.py --multi-model --world_size=1 runs (one tritonserver
     # under mpirun, each tensorrt_llm model spawning its tp x pp ranks), in the foreground as PID 1.
     return ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver", *tritonserver_flags(d)]
@@ -268,6 +278,19 @@ def tritonserver_flags(d: DeployPlan) -> list[str]:
             f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}", f"--metrics-port={s.metrics_port}",
             "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=specdeploy_",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0"]
+
+
+def llmapi_server_command(d: DeployPlan) -> list[str]:
+    """The LLM API repository copied to /tmp with NVIDIA's model code from the container next to its
+    model.yaml (the engines volume is read-only here), then tritonserver in the foreground as PID 1."""
+    from specbuild.toolchains.trtllm_llmapi import model_code_dir, server_command as llmapi_tritonserver
+
+    repo = PurePosixPath("/tmp/llmapi_repo")
+    serve = llmapi_tritonserver(Path(repo), d.spec) + [f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+    code = model_code_dir()
+    script = (f"rm -rf {repo} && cp -r {d.model_repo} {repo} && cp {code}/model.py {code}/helpers.py "
+              f"{repo}/{TARGET_MODEL}/1/ && exec {shlex.join(serve)}")
+    return ["bash", "-c", script]
 
 
 def engine_models(d: DeployPlan) -> list[str]:

@@ -24,7 +24,7 @@ Dtype = Literal["float16", "bfloat16", "float32"]
 QFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"]
 KvCacheDtype = Literal["none", "fp8", "int8"]
 Mode = Literal["draft_target", "medusa", "eagle", "ngram", "none"]
-Toolchain = Literal["trtllm", "reference", "auto"]
+Toolchain = Literal["trtllm", "trtllm-llmapi", "reference", "auto"]
 
 # qformats that need a calibration pass (TensorRT-LLM's quantize.py); the others convert directly.
 CALIBRATED_QFORMATS = frozenset({"fp8", "int8_sq", "int4_awq"})
@@ -68,6 +68,8 @@ class EagleSpec:
     num_layers: int = 3  # depth of the EAGLE tree; every choice path must be at most this deep
     max_non_leaves_per_layer: int = 4
     dynamic_tree_top_k: int = 4  # EAGLE-2 dynamic tree width (reference toolchain)
+    # EAGLE-3: target layers whose outputs the head fuses; default TensorRT-LLM's (1, L//2 - 1, L - 4)
+    layers_to_capture: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -396,7 +398,10 @@ def check_combinations(spec: Spec) -> None:
                             "set engine.pp_size: 1 (use tp_size)")
         if spec.toolchain == "trtllm" and s.eagle.version == 3:
             raise SpecError("speculative.eagle.version", "EAGLE-3 has no TensorRT engine converter in TensorRT-LLM 1.2.1",
-                            "use EAGLE-1/2 weights, or toolchain: reference")
+                            "use EAGLE-1/2 weights, or toolchain: trtllm-llmapi or reference")
+        if s.eagle.layers_to_capture is not None and s.eagle.version != 3:
+            raise SpecError("speculative.eagle.layers_to_capture", f"is for EAGLE-3 heads, but version is {s.eagle.version}",
+                            "remove it, or set version: 3")
         depth = max(len(c) for c in s.eagle.choices)
         if depth > s.eagle.num_layers:
             raise SpecError("speculative.eagle.num_layers", f"{s.eagle.num_layers} is shallower than the deepest choice ({depth})",
@@ -412,6 +417,10 @@ def check_combinations(spec: Spec) -> None:
     if kv.target is not None and kv.draft is not None and kv.target + kv.draft >= 1:
         raise SpecError("serving.kv_cache_free_gpu_mem_fraction", f"target + draft = {kv.target + kv.draft:.2f} >= 1",
                         "lower them so both engines fit")
+    if spec.toolchain == "trtllm-llmapi":  # what the PyTorch backend lacks (pipeline/llmapi.py)
+        from pipeline.llmapi import check_rules
+
+        check_rules(spec)
     ports = [spec.serving.http_port, spec.serving.grpc_port, spec.serving.metrics_port]
     if len(set(ports)) != 3 or not all(0 < p < 65536 for p in ports):
         raise SpecError("serving.http_port", f"ports {ports} must be distinct and in 1..65535", "pick three free ports")

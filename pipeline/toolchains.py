@@ -21,6 +21,8 @@ class ToolchainTraits:
     verify_bounded_by_max_input_len: bool  # a verify call's input_ids <= max_input_len (else max_seq_len - 1)
     grows_eagle2_tree: bool  # the engine grows EAGLE-2's dynamic tree (eagle_dynamic_tree_top_k)
     launch_script: bool  # the repository comes with TensorRT-LLM's launch_triton_server.py script
+    engine_build: bool = True  # the plan builds engines; False: it serves HF checkpoints (quantized by ModelOpt if asked)
+    repository: str = "inflight_batcher_llm"  # our five-model repository, or "llmapi" (NVIDIA's one LLM API model)
 
 
 TOOLCHAINS: dict[str, ToolchainTraits] = {
@@ -28,6 +30,10 @@ TOOLCHAINS: dict[str, ToolchainTraits] = {
                               verify_bounded_by_max_input_len=True, grows_eagle2_tree=False, launch_script=True),
     "reference": ToolchainTraits(gpu=False, engines_built_here=True, engine_backend="python", out_subdir="",
                                  verify_bounded_by_max_input_len=False, grows_eagle2_tree=True, launch_script=False),
+    # TensorRT-LLM's LLM API / PyTorch backend: no engine build, one `tensorrt_llm` model configured by model.yaml
+    "trtllm-llmapi": ToolchainTraits(gpu=True, engines_built_here=False, engine_backend="python", out_subdir="trtllm-llmapi",
+                                     verify_bounded_by_max_input_len=False, grows_eagle2_tree=False, launch_script=True,
+                                     engine_build=False, repository="llmapi"),
 }
 # What `toolchain: auto` resolves to with and without TensorRT-LLM and a GPU; a CPU spec also gets the
 # GPU toolchain's repository (the same service for a GPU host), and overlays pick one by their components.

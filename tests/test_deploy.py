@@ -8,6 +8,7 @@ name, KV fractions) so that a value typed into the static YAML instead of genera
 import ast
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import yaml
 from pipeline import __version__, deploy, names, stack
 from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
+from pipeline.toolchains import toolchain_traits
 
 KUBERNETES_VERSION = "1.32"  # the schema version the manifests are validated against
 KUBECTL = shutil.which("kubectl")
@@ -78,6 +80,20 @@ speculative:
 engine: {{tp_size: 4, pp_size: 1}}
 gpu: {{count: 4}}
 """,
+    "gpu-llmapi": """
+name: gpu-llmapi
+toolchain: trtllm-llmapi
+models:
+  target: {{checkpoint: {target}, dtype: bfloat16, qformat: fp8}}
+speculative:
+  mode: eagle
+  max_draft_len: 3
+  num_draft_tokens: 3
+  eagle: {{checkpoint: {eagle3}, version: 3, choices: [[0], [0, 0], [0, 0, 0]], layers_to_capture: [0, 1, 2]}}
+engine: {{tp_size: 2, pp_size: 1}}
+serving: {{http_port: 8300, grpc_port: 8301, metrics_port: 8302}}
+gpu: {{count: 2}}
+""",
 }
 OVERLAYS = list(SPECS)
 # Each overlay with a tiny spec, and with its example spec when `make models` has made the checkpoints.
@@ -87,14 +103,14 @@ CASES = OVERLAYS + [f"{overlay}@example" for overlay in deploy.EXAMPLE_SPECS if 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Tiny target + draft, untrained Medusa heads and EAGLE weights for that target."""
-    from pipeline.fixtures.models import make_random_eagle, make_random_medusa
+    """Tiny target + draft, untrained Medusa heads and EAGLE-1/2 and EAGLE-3 weights for that target."""
+    from pipeline.fixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
     from pipeline.fixtures.toymodels import make_derived_pair
 
     root = tmp_path_factory.mktemp("ckpt")
     target, draft = make_derived_pair(root / "pair", eps=0.15)
-    return {"target": target, "draft": draft,
-            "medusa": make_random_medusa(target, root / "medusa"), "eagle": make_random_eagle(target, root / "eagle")}
+    return {"target": target, "draft": draft, "medusa": make_random_medusa(target, root / "medusa"),
+            "eagle": make_random_eagle(target, root / "eagle"), "eagle3": make_random_eagle3(target, root / "eagle3")}
 
 
 @pytest.fixture(scope="module")
@@ -383,12 +399,12 @@ def test_server_probes_startup_budget_and_draining(rendered, case):
         assert triton[probe]["httpGet"] == {"path": path, "port": "http"}, probe
     startup = triton["startupProbe"]
     budget_s = startup["periodSeconds"] * startup["failureThreshold"]
-    assert budget_s >= (1200 if d.toolchain == "trtllm" else 300)  # a cold engine load
+    assert budget_s >= (1200 if toolchain_traits(d.toolchain).gpu else 300)  # a cold engine load
     assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
     drain_s = PRESTOP_S + deploy.EXIT_TIMEOUT_S
     assert pod["terminationGracePeriodSeconds"] > drain_s
-    if d.toolchain == "trtllm":
-        assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in triton["command"]
+    if toolchain_traits(d.toolchain).gpu:
+        assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in " ".join(triton["command"])
     shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
     assert shm[0]["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in triton["volumeMounts"]
@@ -404,7 +420,7 @@ def test_images_are_pinned(rendered, case):
     for image in images:
         name, _, tag = image.rpartition(":")
         assert "@sha256:" in image or (name and tag and tag != "latest" and "/" not in tag), image
-    expected = {f"{deploy.PIPELINE_IMAGE}:{__version__}"} | ({stack.TRITON_IMAGE} if d.toolchain == "trtllm" else set())
+    expected = {f"{deploy.PIPELINE_IMAGE}:{__version__}"} | ({stack.TRITON_IMAGE} if toolchain_traits(d.toolchain).gpu else set())
     assert images == expected
 
 
@@ -468,7 +484,7 @@ def test_values_agree_with_the_spec(rendered, case):
     job = one(objects, "Job", "specdeploy-engine-build")
     gpu_containers = [triton] + [c for c in containers(job["spec"]["template"]["spec"]) if c["name"] == "trtllm-build"]
     all_containers = [c for _n, pod in pod_specs(objects) for c in containers(pod)]
-    if d.toolchain == "trtllm":
+    if toolchain_traits(d.toolchain).gpu:
         assert len(gpu_containers) == 2
         for c in gpu_containers:
             assert c["resources"]["limits"]["nvidia.com/gpu"] == e.tp_size * e.pp_size
@@ -501,8 +517,11 @@ def test_values_agree_with_the_spec(rendered, case):
 
     # model names and KV fractions: what the repository assembler will write
     names = values["TRITON_MODELS"].split(",")
-    assert {"preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls", "ensemble"} <= set(names)
-    assert ("tensorrt_llm_draft" in names) == (spec.speculative.mode == "draft_target")
+    if toolchain_traits(d.toolchain).repository == "llmapi":
+        assert names == ["tensorrt_llm"]  # NVIDIA's one LLM API model
+    else:
+        assert {"preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls", "ensemble"} <= set(names)
+        assert ("tensorrt_llm_draft" in names) == (spec.speculative.mode == "draft_target")
     kv = s.kv_cache_free_gpu_mem_fraction
     if kv.target is not None:
         assert float(values["KV_CACHE_FREE_GPU_MEM_FRACTION_TARGET"]) == kv.target
@@ -514,18 +533,16 @@ def test_values_agree_with_the_spec(rendered, case):
 @needs_kubectl
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gpu-")])
 def test_trtllm_build_step_runs_the_plan_script_on_the_staged_checkpoints(rendered, case):
-    from specbuild.toolchains.trtllm import parse_script
-
     d, objects = rendered[case]
     script = files_of(objects)["trtllm.sh"]
     job = one(objects, "Job", "specdeploy-engine-build")["spec"]["template"]["spec"]
     assert container(job, "trtllm-build")["command"] == ["bash", "/etc/specdeploy/trtllm.sh"]
     assert script.splitlines()[1] == f'if [ -f "$BUILD_DIR/{deploy.READY}" ]; then echo "engines of build key $BUILD_KEY are ready"; exit 0; fi'
     # the same steps and keys as `plan --dry-run` on the local spec, with the pods' paths
-    local = make_plan(d.spec, "trtllm")
-    assert [key for key, _label, _cmd in parse_script(script)] == [s.key for s in local.steps]
+    local = make_plan(d.spec, d.toolchain)
+    assert [line.split()[1] for line in script.splitlines() if line.startswith("run_step ")] == [s.key for s in local.steps]
     assert f'TARGET_MODEL_DIR="${{TARGET_MODEL_DIR:-/models/{d.build_key}/target}}"' in script
-    assert 'CACHE_DIR="${CACHE_DIR:-/engines/cache/trtllm}"' in script
+    assert f'CACHE_DIR="${{CACHE_DIR:-/engines/cache/{d.toolchain}}}"' in script
     assert str(d.spec.models.target.checkpoint) not in script  # no path of this machine
     # the values ConfigMap reaches the script's environment: it must not override the script's own paths
     script_vars = set(re.findall(r'^([A-Z_]+)="\$\{', script, re.M))
@@ -744,7 +761,9 @@ def test_trtllm_server_flags_exist_in_tritonserver(rendered, case):
 
     _d, objects = rendered[case]
     command = container(one(objects, "Deployment")["spec"]["template"]["spec"], "triton")["command"]
-    assert command[:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver"]
+    if command[:2] == ["bash", "-c"]:  # trtllm-llmapi: copy the repository and NVIDIA's model code, then exec the server
+        command = shlex.split(command[2].split(" && exec ", 1)[1])
+    assert command[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"] and Path(command[4]).name == "tritonserver"
     out = subprocess.run([str(tritonserver_root() / "bin" / "tritonserver"), "--help"],
                          capture_output=True, text=True, timeout=30)
     help_text = out.stdout + out.stderr
@@ -804,3 +823,23 @@ def test_acceptance_floor_is_the_draft_to_target_cost_ratio(workdir):
     assert deploy.acceptance_floor(cheaper) < deploy.acceptance_floor(plan)  # a cheaper draft pays off sooner
     heads = make_plan(load_spec(workdir / "gpu-medusa.yaml", ["speculative.min_acceptance_rate=0.3"]), "trtllm")
     assert deploy.acceptance_floor(heads) == 0.3
+
+
+def test_llmapi_build_job_assembles_a_repository_serving_the_staged_checkpoints(workdir, cluster_dirs):
+    """trtllm-llmapi: the build container writes the llmapi repository whose model.yaml serves the ModelOpt output
+    the GPU step writes (fp8 target) and the staged EAGLE-3 heads; the server command copies and serves it."""
+    from pipeline.repo.llmapi import validate_llmapi_repo
+
+    d = deploy.plan_deployment(load_spec(workdir / "gpu-llmapi.yaml"), "trtllm-llmapi")
+    files = write_files(d, cluster_dirs / "etc")
+    deploy.stage_checkpoints(files / "checkpoints.json")
+    deploy.build_in_cluster(files / "spec.yaml", "trtllm-llmapi")
+    assert (cluster_dirs / "engines" / d.build_key / deploy.READY).is_file()
+    config = validate_llmapi_repo(Path(d.values()["MODEL_REPO"]))
+    cache = re.search(r'^CACHE_DIR="\$\{CACHE_DIR:-(.*)\}"$', (files / "trtllm.sh").read_text(), re.M).group(1)
+    [quantize] = [line.split()[1] for line in (files / "trtllm.sh").read_text().splitlines() if line.startswith("run_step ")]
+    assert config["model"] == f"{cache}/{quantize}"  # what hf_ptq.py --export_path writes (then renamed)
+    heads = next(c.cluster for c in d.checkpoints if c.role == "eagle")
+    assert config["speculative_config"]["speculative_model_dir"] == heads
+    script = deploy.server_command(d)[2]
+    assert f"cp -r {d.values()['MODEL_REPO']} /tmp/llmapi_repo" in script and "--model-repository=/tmp/llmapi_repo" in script

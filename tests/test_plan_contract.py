@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fixtures.models import make_random_eagle, make_random_medusa
+from pipeline.fixtures.models import make_random_eagle, make_random_eagle3, make_random_medusa
 from specbuild.plan import build_key, make_plan
 from pipeline.spec import SpecError, load_spec
 from specbuild.toolchains.trtllm import Command, ContractError, check_command, parse_script, render_script
@@ -43,7 +43,13 @@ def script_for(example, derived_pair, heads, tmp_path, extra=()):
     return spec, render_script(make_plan(spec, "trtllm"))
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def refused_by_trtllm(example: Path) -> bool:
+    """EAGLE-3 examples: no TensorRT engine path."""
+    eagle = load_spec(example, check_paths=False).speculative.eagle
+    return eagle is not None and eagle.version == 3
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if not refused_by_trtllm(e)], ids=lambda p: p.name)
 def test_every_example_plans_a_script_that_passes_the_contract(example, derived_pair, heads, tmp_path):
     spec, script = script_for(example, derived_pair, heads, tmp_path)
     assert script.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in script
@@ -227,3 +233,12 @@ def test_tensor_parallel_plans_one_worker_per_rank(derived_pair, heads, tmp_path
         assert ns.workers == 2, label
         if command.tool != "trtllm-build":
             assert ns.tp_size == 2
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if refused_by_trtllm(e)], ids=lambda p: p.name)
+def test_trtllm_refuses_eagle3_examples_in_one_line(example, derived_pair, tmp_path):
+    heads = make_random_eagle3(derived_pair[0], tmp_path / "eagle3", dtype="float32")
+    sets = [f"models.target.checkpoint={derived_pair[0]}", f"speculative.eagle.checkpoint={heads}",
+            "speculative.eagle.layers_to_capture=[0, 1, 2]", f"output.dir={tmp_path / 'out'}", f"output.cache_dir={tmp_path / 'c'}"]
+    with pytest.raises(SpecError, match="^speculative.eagle.version: EAGLE-3 has no TensorRT engine converter"):
+        render_script(make_plan(load_spec(example, sets), "trtllm"))

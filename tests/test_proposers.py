@@ -175,9 +175,3 @@ def test_medusa_tree_deeper_than_its_heads_is_refused():
     with pytest.raises(ValueError, match="only 1 heads"):
         MedusaProposer([object()], [[0], [0, 0]])
 
-
-def test_eagle3_checkpoints_are_refused_clearly():
-    from pipeline.reference.eagle import EagleProposer
-
-    with pytest.raises(ValueError, match="EAGLE-3"):
-        EagleProposer.from_state_dict({"midlayer.self_attn.q_proj.weight": None}, {}, target=None, choices=[[0]])

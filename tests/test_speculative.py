@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.eagle import EagleProposer
@@ -17,11 +17,13 @@ from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
 from pipeline.reference.metrics import aggregate
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
-from pipeline.reference.proposers import Draft, NgramProposer
+from pipeline.fixtures.models import make_random_eagle3
 from pipeline.fixtures.toymodels import make_derived_pair
+from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 
 MAX_NEW = 12
 MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+EAGLE3_LAYERS = (0, 1, 2)  # the 4-layer test targets are too shallow for TensorRT-LLM's default (1, L//2-1, L-4)
 
 
 def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
@@ -145,10 +147,13 @@ def make_proposer(kind, pair_dir, tmp_path):
         return EagleProposer.from_eagle_dir(random_eagle_dir(tmp_path / "eagle"), target_model, choices=MEDUSA_CHOICES)
     if kind == "eagle2":
         return EagleProposer.from_eagle_dir(random_eagle_dir(tmp_path / "eagle"), target_model, dynamic_top_k=3)
+    if kind == "eagle3":  # a draft vocabulary of 256 of the 512 target tokens (d2t / t2d maps)
+        heads = make_random_eagle3(target, tmp_path / "eagle3", dtype="float32", draft_vocab_size=256)
+        return EagleProposer.from_eagle_dir(heads, target_model, choices=MEDUSA_CHOICES, layers_to_capture=EAGLE3_LAYERS)
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft", "medusa", "eagle", "eagle2"])
+@pytest.mark.parametrize("kind", ["ngram", "draft", "medusa", "eagle", "eagle2", "eagle3"])
 def test_greedy_speculation_equals_plain_decoding(kind, derived_pair, plain, tmp_path):
     target, _ = derived_pair
     alone = {}
@@ -239,7 +244,6 @@ def test_sampled_speculation_follows_the_target_distribution(derived_pair):
 def test_engine_stored_heads_propose_like_their_source_folders(tiny_llama, tmp_path):
     """Medusa / EAGLE weights as convert.py stores them in an engine (prefixed keys + pretrained_config)
     give the same drafts as the FasterDecoding / SafeAILab folders."""
-    from safetensors.torch import load_file
 
     from pipeline.reference.proposers import ProposalInput
     from pipeline.reference.speculation import engine_proposer
@@ -266,4 +270,85 @@ def test_engine_stored_heads_propose_like_their_source_folders(tiny_llama, tmp_p
     from_engine = engine_proposer(config, state, target, dynamic_top_k=2).propose(inp)
     from_folder = EagleProposer.from_eagle_dir(eagle_dir, target, dynamic_top_k=2).propose(inp)
     assert from_engine[0].token_ids == from_folder[0].token_ids and from_engine[0].parents == from_folder[0].parents
+
+    heads = make_random_eagle3(tiny_llama, tmp_path / "eagle3", dtype="float32", draft_vocab_size=256)
+    state = {f"eagle.{k}": v for k, v in load_file(heads / "model.safetensors").items()}
+    config = {"eagle": {"version": 3, "num_eagle_layers": 3, "max_draft_len": 8, "max_non_leaves_per_layer": 4, **net,
+                        "draft_vocab_size": 256, "layers_to_capture": [0, 1, 2]}}
+    inp3 = [ProposalInput("a", [7, 8, 9, 10, 11, 12], 6, hidden_states=torch.randn(5, 3 * 64, generator=g))]
+    from_engine = engine_proposer(config, state, target, choices=MEDUSA_CHOICES).propose(inp3)
+    from_folder = EagleProposer.from_eagle_dir(heads, target, choices=MEDUSA_CHOICES, layers_to_capture=(0, 1, 2)).propose(inp3)
+    assert from_engine == from_folder and len(from_engine[0].token_ids) == 6
     assert engine_proposer({"medusa": None, "eagle": None}, {}, target) is None
+
+
+def dense_eagle3_top_k(heads, target_dir, tokens: list[int], layers, k: int) -> list[int]:
+    """Target ids of the k most likely EAGLE-3 drafts after tokens, read densely from the public format (SafeAILab
+    cnets.py: fc over the captured layers, midlayer over concat(input_layernorm(emb), hidden_norm(g)) with g as
+    residual, lm_head(norm(.)), d2t) with transformers' hidden states: no cache, no tree, no engine."""
+    from transformers import LlamaForCausalLM
+
+    w, cfg = load_file(heads / "model.safetensors"), json.loads((heads / "config.json").read_text())
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = target(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        # hidden_states[i + 1] is layer i's output (the last entry is after the final norm: never captured here)
+        features = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)  # [n, 3H]
+        emb = target.model.embed_tokens.weight[tokens[1:]]  # [n, H]: pair j = (token j + 1, feature j)
+    n, nh, nkv, hd = emb.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def norm(x, name):
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+
+    def rope(x):  # [n, heads, hd], positions 0 .. n-1
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+        ang = torch.outer(torch.arange(n).float(), inv)
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
+
+    m = "midlayer."
+    g = features @ w["fc.weight"].T  # [n, H]
+    h = torch.cat([norm(emb, m + "input_layernorm.weight"), norm(g, m + "hidden_norm.weight")], -1)  # [n, 2H]
+    q = rope((h @ w[m + "self_attn.q_proj.weight"].T).view(n, nh, hd)).transpose(0, 1)
+    kk = rope((h @ w[m + "self_attn.k_proj.weight"].T).view(n, nkv, hd)).transpose(0, 1).repeat_interleave(nh // nkv, 0)
+    v = (h @ w[m + "self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1).repeat_interleave(nh // nkv, 0)
+    attn = torch.softmax((q @ kk.transpose(1, 2)) / hd ** 0.5 + torch.full((n, n), -torch.inf).triu(1), -1) @ v
+    x = g + attn.transpose(0, 1).reshape(n, -1) @ w[m + "self_attn.o_proj.weight"].T
+    y = norm(x, m + "post_attention_layernorm.weight")
+    x = x + (torch.nn.functional.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) \
+        @ w[m + "mlp.down_proj.weight"].T
+    top = (norm(x[-1], "norm.weight") @ w["lm_head.weight"].T).topk(k).indices  # draft-vocabulary ids
+    return (top + w["d2t"][top]).tolist() if "d2t" in w else top.tolist()
+
+
+def test_eagle3_drafts_follow_the_public_format(derived_pair, tmp_path):
+    """The proposer's root drafts (ranks 0-3) equal a dense reading of the SafeAILab EAGLE-3 format, with a
+    reduced draft vocabulary; the engine feeds it the captured layers' outputs, not the final hidden state."""
+    target_dir, _ = derived_pair
+    heads = make_random_eagle3(target_dir, tmp_path / "eagle3", dtype="float32", draft_vocab_size=200)
+    target = LlamaModel.from_hf(target_dir, "float32")
+    tokens = prompts(1, seed=4)[0]
+    expected = dense_eagle3_top_k(heads, target_dir, tokens, EAGLE3_LAYERS, 4)
+    kv = target.new_kv_cache(8, 32)
+    features = target([SequenceInput(tokens[:-1], 0, list(range(8)))], kv, return_hidden=True,
+                      capture_layers=EAGLE3_LAYERS).hidden_states  # [n, 3H]
+    proposer = EagleProposer.from_eagle_dir(heads, target, choices=[[0], [1], [2], [3]], layers_to_capture=EAGLE3_LAYERS)
+    assert proposer.capture_layers == EAGLE3_LAYERS
+    [draft] = proposer.propose([ProposalInput("a", tokens, 4, hidden_states=features)])
+    assert draft.token_ids == expected and draft.parents == [-1, -1, -1, -1]
+    d2t = load_file(heads / "model.safetensors")["d2t"]
+    assert set(draft.token_ids) <= set((torch.arange(200) + d2t).tolist())  # target ids of draft-vocabulary entries
+
+
+def test_eagle3_capture_layers_are_checked(derived_pair, tmp_path):
+    from pipeline.spec import SpecError
+
+    target_dir, _ = derived_pair
+    heads = make_random_eagle3(target_dir, tmp_path / "eagle3", dtype="float32")
+    target = LlamaModel.from_hf(target_dir, "float32")
+    with pytest.raises(SpecError, match="layers_to_capture: the target has 4 layers"):
+        EagleProposer.from_eagle_dir(heads, target, choices=[[0]])  # TensorRT-LLM's default needs > 5 layers
+    with pytest.raises(ValueError, match="fuses 3 target layers"):
+        EagleProposer.from_eagle_dir(heads, target, choices=[[0]], layers_to_capture=(0, 1))
+    with pytest.raises(ValueError, match="EAGLE-1/2"):
+        EagleProposer.from_eagle_dir(random_eagle_dir(tmp_path / "eagle"), target, choices=[[0]], layers_to_capture=(0, 1, 2))

@@ -58,10 +58,13 @@ class Plan:
     toolchain: str
     inspection: Report  # inspect_spec's result: checkpoint facts, head shapes, the memory plan (read once)
     steps: list[Step] = field(default_factory=list)
+    # toolchains without an engine build: digests of the folders served as they are (role -> digest),
+    # e.g. an unquantized target or EAGLE-3 heads; part of the build key
+    served: dict[str, str] = field(default_factory=dict)
 
     def engine_step(self, role: str) -> Step:
-        """The build step whose output is `role`'s engine."""
-        return next(s for s in self.steps if s.role == role and s.kind == "build")
+        """The step whose output `role` serves: its engine build, or (no engine build) its quantize step."""
+        return [s for s in self.steps if s.role == role][-1]
 
     @property
     def roles(self) -> list[str]:
@@ -71,7 +74,7 @@ class Plan:
     @property
     def build_key(self) -> str:
         """One hash over every engine's key: names a complete set of engines."""
-        return _hash({role: self.engine_step(role).key for role in self.roles})
+        return _hash({**{role: self.engine_step(role).key for role in self.roles}, **self.served})
 
 
 # ----------------------------------------------------------------------------- toolchain
@@ -228,7 +231,14 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         digests = DigestCache(spec.output.cache_dir / "digests.json")
     versions = toolchain_versions(toolchain)
     plan = Plan(spec=spec, toolchain=toolchain, inspection=inspection)
+    builds_engines = toolchain_traits(toolchain).engine_build
     for role, model in spec.engine_models:
+        if not builds_engines:  # LLM API: the HF checkpoint is served; quantizing it is the only step
+            steps = quantize_steps(spec, role, model, versions, digests, inspection)
+            plan.steps += steps
+            if not steps:
+                plan.served[role] = folder_digest(model.checkpoint, digests)
+            continue
         params = convert_params(spec, role, model, inspection)
         if toolchain_traits(toolchain).gpu:  # TensorRT-LLM builds no float32 engines (pipeline/gpus.py)
             params["dtype"] = engine_dtype(spec, model)
@@ -245,9 +255,28 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
         build = Step(role=role, kind="build", params=bparams, inputs=binputs, versions=versions, upstream=convert.key,
                      key=_hash({"kind": "build", "params": bparams, "inputs": binputs, "versions": versions}))
         plan.steps += [convert, build]
+    heads = traits(spec.speculative.mode).heads_field
+    if not builds_engines and heads is not None:  # heads (EAGLE-3) are read by the server as they are
+        plan.served[heads] = folder_digest(getattr(spec.speculative, heads).checkpoint, digests)
     if own_digests:
         digests.save()
     return plan
+
+
+def quantize_steps(spec: Spec, role: str, model: ModelSpec, versions: dict, digests: DigestCache,
+                   inspection: Report) -> list[Step]:
+    """For toolchains without an engine build: one ModelOpt quantize step writing a quantized HF checkpoint,
+    or none when the model is served as it is."""
+    if model.qformat == "none" and model.kv_cache_dtype == "none":
+        return []
+    params = {"architecture": inspection.models[role].architecture,
+              "dtype": model.dtype, "qformat": model.qformat, "kv_cache_dtype": model.kv_cache_dtype,
+              "calib_size": model.calib_size}
+    if model.qformat == "int4_awq":
+        params["group_size"] = model.group_size
+    inputs = {"checkpoint": folder_digest(model.checkpoint, digests)}
+    return [Step(role=role, kind="quantize", params=params, inputs=inputs, versions=versions,
+                 key=_hash({"kind": "quantize", "params": params, "inputs": inputs, "versions": versions}))]
 
 
 def build_key(spec: Spec, toolchain: str = GPU_TOOLCHAIN) -> str:

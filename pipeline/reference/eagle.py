@@ -1,10 +1,13 @@
-"""EAGLE-1/2 drafting (SafeAILab/EAGLE format) from the target's hidden states, as token trees.
+"""EAGLE drafting (SafeAILab/EAGLE formats) from the target's hidden states, as token trees.
 
-The drafter is one Llama decoder layer over its own sequence of pairs: pair j is
+EAGLE-1/2: the drafter is one Llama decoder layer over its own sequence of pairs: pair j is
 fc(concat(embedding(token j + 1), f_j)) [2H -> H], where f_j is the target's final hidden state at
 position j (the lm_head input). Its output is a predicted feature; the TARGET's lm_head turns it into
 draft logits (no final norm), and a drafted token with that predicted feature makes the next pair.
 Layer 0 has no input norm (EAGLE-1 layout; `pipeline/contracts/head-checkpoint-formats.md` (b)).
+EAGLE-3 (Eagle3Net, format (c)): f_j is the concatenation of three target layers' outputs, fused by
+fc [3H -> H]; the layer attends over concat(norm(embedding), norm(feature)); its own norm and lm_head
+give logits over a draft vocabulary, mapped to target ids by d2t. The tree machinery is the same.
 
 Trees:
 - static (EAGLE-1, `eagle_choices`): node (r1, .., rd) is the rd-th most likely draft token after
@@ -31,9 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.checkpoints import eagle3_capture_layers
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
-from pipeline.reference.model import LlamaModel, SequenceInput, config_from_hf
+from pipeline.reference.model import ForwardOutput, LlamaModel, SequenceInput, config_from_hf
 from pipeline.reference.proposers import Draft, ProposalInput
 from pipeline.reference.tree import tree_from_choices
 
@@ -64,30 +68,106 @@ class _Node:
         return len(self.path)
 
 
+class Eagle1Net:
+    """EAGLE-1/2 network: fc(concat(embedding, feature)) [2H -> H] into one Llama layer with no input norm; the
+    target's lm_head (no final norm) gives draft logits over the target vocabulary."""
+
+    capture_layers = None  # its features are the target's final hidden states
+
+    def __init__(self, drafter: LlamaModel, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None):
+        self.drafter = drafter
+        self.fc_weight, self.fc_bias = fc_weight.to(drafter.dtype), None if fc_bias is None else fc_bias.to(drafter.dtype)
+
+    def __call__(self, seqs: list[SequenceInput], kv, tokens: list[int], features: torch.Tensor) -> ForwardOutput:
+        """Run pairs (tokens, features [n, H]); logits of the requested rows, drafter features [n, H] of every pair."""
+        emb = self.drafter.embed.index_select(0, torch.tensor(tokens, dtype=torch.long))  # [n, H]
+        x = F.linear(torch.cat([emb, features.to(emb.dtype)], dim=-1), self.fc_weight, self.fc_bias)  # [n, H]
+        return self.drafter(seqs, kv, return_hidden=True, input_embeds=x)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary = target vocabulary."""
+        return draft_ids
+
+
+class Eagle3Net:
+    """EAGLE-3 network (SafeAILab `cnets.py` / TensorRT-LLM's Eagle3 drafter, `pipeline/contracts/head-checkpoint-formats.md` (c)).
+
+    A pair's hidden g is fc(concat(low, mid, high)) [3H -> H] for features from the target (its layers
+    `capture_layers`, ascending), or a drafter output [H] as is for drafted nodes. The midlayer attends over
+    concat(input_layernorm(embedding), hidden_norm(g)) [2H] with g as its residual; its pre-norm output is the
+    next feature, and lm_head(norm(output)) gives logits over the draft vocabulary, mapped back to target ids by
+    d2t (target_id = draft_id + d2t[draft_id]).
+    """
+
+    def __init__(self, drafter: LlamaModel, fc_weight: torch.Tensor, input_norm: torch.Tensor, hidden_norm: torch.Tensor,
+                 d2t: torch.Tensor | None, capture_layers: tuple[int, ...]):
+        self.drafter = drafter
+        self.fc_weight = fc_weight.to(drafter.dtype)
+        self.input_norm, self.hidden_norm = input_norm.to(drafter.dtype), hidden_norm.to(drafter.dtype)
+        self.d2t = None if d2t is None else d2t.long()
+        self.capture_layers = tuple(capture_layers)
+
+    def __call__(self, seqs: list[SequenceInput], kv, tokens: list[int], features: torch.Tensor) -> ForwardOutput:
+        """Run pairs (tokens, features [n, 3H] from the target or [n, H] from the drafter); see the class docstring."""
+        d = self.drafter
+        emb = d.embed.index_select(0, torch.tensor(tokens, dtype=torch.long))  # [n, H]
+        hidden = features.to(emb.dtype)
+        if hidden.shape[-1] != d.hidden_size:
+            hidden = F.linear(hidden, self.fc_weight)  # [n, H]: the target's three layers fused
+        attn_input = torch.cat([d.rms_norm(emb, self.input_norm), d.rms_norm(hidden, self.hidden_norm)], dim=-1)  # [n, 2H]
+        return d(seqs, kv, return_hidden=True, input_embeds=hidden, capture_layers=(0,), first_layer_input=attn_input)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary ids."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+
+def _eagle3_net(state: dict[str, torch.Tensor], hf_config: dict, target: LlamaModel, prefix: str,
+                layers_to_capture: tuple[int, ...] | None) -> Eagle3Net:
+    """An Eagle3Net from SafeAILab EAGLE-3 tensors (`midlayer.*`, `fc`, `norm`, `lm_head`, optional `d2t`)."""
+    layers = eagle3_capture_layers(layers_to_capture, target.num_layers)
+    fc = state[f"{prefix}fc.weight"]  # [H, len(layers) * Ht]
+    if fc.shape[1] != len(layers) * target.hidden_size:
+        raise ValueError(f"EAGLE-3 fc.weight is {list(fc.shape)}: it fuses {fc.shape[1] // target.hidden_size} target layers, "
+                         f"but layers_to_capture has {len(layers)} ({layers})")
+    lm_head = state[f"{prefix}lm_head.weight"]  # [Vd, H]
+    config = config_from_hf({**hf_config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                             "tie_word_embeddings": False, "vocab_size": lm_head.shape[0]}, target.config["dtype"])
+    drafter_state = {"model.embed_tokens.weight": state.get(f"{prefix}embed_tokens.weight", target.embed),
+                     "lm_head.weight": lm_head, "model.norm.weight": state[f"{prefix}norm.weight"]}
+    mid = f"{prefix}midlayer."
+    for key, value in state.items():
+        if key.startswith(mid) and not key.startswith((f"{mid}input_layernorm.", f"{mid}hidden_norm.")):
+            drafter_state["model.layers.0." + key[len(mid):]] = value  # layer 0 without input norm: see first_layer_input
+    d2t = state.get(f"{prefix}d2t") if lm_head.shape[0] != target.vocab_size else None
+    return Eagle3Net(LlamaModel(config, drafter_state), fc, state[f"{mid}input_layernorm.weight"],
+                     state[f"{mid}hidden_norm.weight"], d2t, layers)
+
+
 class EagleProposer:
-    """EAGLE-1 static trees or EAGLE-2 dynamic trees over the target's features (see module docstring)."""
+    """EAGLE-1 static trees or EAGLE-2 dynamic trees over the target's features (see module docstring),
+    drafted by an EAGLE-1/2 or an EAGLE-3 network."""
 
     needs_hidden_states = True
 
-    def __init__(self, drafter: LlamaModel, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None,
-                 choices=None, dynamic_top_k: int | None = None, depth: int = 3,
+    def __init__(self, net: Eagle1Net | Eagle3Net, choices=None, dynamic_top_k: int | None = None, depth: int = 3,
                  max_batch_size: int = 8, max_seq_len: int = 2048, tokens_per_block: int = TOKENS_PER_BLOCK):
         if (choices is None) == (dynamic_top_k is None):
             raise ValueError("give either eagle choices (EAGLE-1 static tree) or dynamic_top_k (EAGLE-2 dynamic tree)")
-        self.drafter = drafter
-        self.fc_weight, self.fc_bias = fc_weight.to(drafter.dtype), None if fc_bias is None else fc_bias.to(drafter.dtype)
+        self.net = net
+        self.capture_layers = net.capture_layers  # the engine returns these target layers' outputs as features
         self.tree = tree_from_choices(choices) if choices is not None else None
         self.top_k = dynamic_top_k
         self.depth = self.tree.max_depth if self.tree is not None else depth
         num_blocks = max_batch_size * (-(-(max_seq_len + 64) // tokens_per_block)) + max_batch_size
-        self.kv = drafter.new_kv_cache(num_blocks, tokens_per_block)
+        self.kv = net.drafter.new_kv_cache(num_blocks, tokens_per_block)
         self.block_manager = BlockManager(num_blocks, tokens_per_block)
         self.sequences: dict[str, _EagleSequence] = {}
 
     @classmethod
     def from_eagle_dir(cls, path: str | Path, target: LlamaModel, **kwargs) -> "EagleProposer":
-        """Load a SafeAILab EAGLE-1/2 folder (config.json + model.safetensors); lm_head (and, if absent, the
-        embedding) come from the target model."""
+        """Load a SafeAILab EAGLE-1/2 or EAGLE-3 folder (config.json + model.safetensors); what the folder lacks
+        (lm_head for EAGLE-1/2, the embedding) comes from the target model."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -99,10 +179,14 @@ class EagleProposer:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], hf_config: dict, target: LlamaModel, prefix: str = "",
-                        **kwargs) -> "EagleProposer":
-        """From EAGLE tensors (keys `fc.*`, `layers.0.*`, optional `embed_tokens.weight`, under `prefix`)."""
+                        layers_to_capture: tuple[int, ...] | None = None, **kwargs) -> "EagleProposer":
+        """From EAGLE tensors under `prefix`: EAGLE-1/2 (`fc.*`, `layers.0.*`) or EAGLE-3 (`midlayer.*`, `fc`, `norm`,
+        `lm_head`, `d2t`), optional `embed_tokens.weight`. layers_to_capture: EAGLE-3's target layers (default
+        TensorRT-LLM's)."""
         if f"{prefix}midlayer.self_attn.q_proj.weight" in state:
-            raise ValueError("this is an EAGLE-3 checkpoint (midlayer.*); the reference engine drafts with EAGLE-1/2 weights")
+            return cls(_eagle3_net(state, hf_config, target, prefix, layers_to_capture), **kwargs)
+        if layers_to_capture is not None:
+            raise ValueError("layers_to_capture is for EAGLE-3 weights; these are EAGLE-1/2 (layers.0.*)")
         config = config_from_hf({**hf_config, "num_hidden_layers": 1, "tie_word_embeddings": False}, target.config["dtype"])
         drafter_state = {"model.embed_tokens.weight": state.get(f"{prefix}embed_tokens.weight", target.embed),
                          "lm_head.weight": target.lm_head}
@@ -110,7 +194,7 @@ class EagleProposer:
             if key.startswith(f"{prefix}layers.0."):
                 drafter_state["model." + key[len(prefix):]] = value
         drafter = LlamaModel(config, drafter_state)
-        return cls(drafter, state[f"{prefix}fc.weight"], state.get(f"{prefix}fc.bias"), **kwargs)
+        return cls(Eagle1Net(drafter, state[f"{prefix}fc.weight"], state.get(f"{prefix}fc.bias")), **kwargs)
 
     # ------------------------------------------------------------ proposing
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
@@ -139,11 +223,6 @@ class EagleProposer:
         state.pending_tokens = state.pending_tokens[:keep] + list(inp.token_ids[start + 1:])
         state.pending_features = state.pending_features[:keep] + list(inp.hidden_states)
 
-    def _embed(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Drafter inputs [n, H] = fc(concat(embedding(tokens), features [n, H]))."""
-        emb = self.drafter.embed.index_select(0, torch.tensor(tokens, dtype=torch.long))  # [n, H]
-        return F.linear(torch.cat([emb, features.to(emb.dtype)], dim=-1), self.fc_weight, self.fc_bias)
-
     def _draft(self, inputs: list[ProposalInput]) -> list[Draft]:
         states = [self.sequences.setdefault(inp.request_id, _EagleSequence()) for inp in inputs]
         root_logits = self._ingest(inputs, states)  # [B, vocab]
@@ -166,14 +245,15 @@ class EagleProposer:
 
     def _ingest(self, inputs: list[ProposalInput], states: list[_EagleSequence]) -> torch.Tensor:
         """Run the pending pairs of every request into the drafter cache; logits [B, vocab] after the last one."""
-        seqs, embeds = [], []
+        seqs, tokens, features = [], [], []
         for inp, state in zip(inputs, states):
             if not state.pending_tokens:
                 raise ValueError(f"EAGLE request {inp.request_id}: no target features to draft from")
             self.block_manager.ensure_capacity(state.blocks, state.num_cached + len(state.pending_tokens))
             seqs.append(SequenceInput(state.pending_tokens, state.num_cached, state.blocks.blocks))
-            embeds.append(self._embed(state.pending_tokens, torch.stack(state.pending_features)))
-        out = self.drafter(seqs, self.kv, return_hidden=True, input_embeds=torch.cat(embeds))
+            tokens += state.pending_tokens
+            features.append(torch.stack(state.pending_features))
+        out = self.net(seqs, self.kv, tokens, torch.cat(features))
         end = 0
         for state in states:
             end += len(state.pending_tokens)
@@ -194,8 +274,9 @@ class EagleProposer:
         if not ranks:
             return []
         top = logq.topk(max(ranks) + 1)
+        ids = self.net.target_ids(top.indices)
         for r in ranks:
-            nodes.append(_Node(int(top.indices[r]), parent, base + float(top.values[r]), path + (r,)))
+            nodes.append(_Node(int(ids[r]), parent, base + float(top.values[r]), path + (r,)))
         return list(range(len(nodes) - len(ranks), len(nodes)))
 
     def _select_frontier(self, nodes: list[_Node], candidates: list[int]) -> list[int]:
@@ -207,18 +288,18 @@ class EagleProposer:
 
     def _expand(self, states: list[_EagleSequence], trees: list[list[_Node]], frontier: list[list[int]]) -> list[torch.Tensor]:
         """One drafter forward over each request's expanded nodes (tree mask); logits of its frontier nodes."""
-        seqs, embeds, fed_of = [], [], []
+        seqs, tokens, features, fed_of = [], [], [], []
         for state, nodes, front in zip(states, trees, frontier):
             fed = sorted(self._with_ancestors(nodes, front))  # parents come before children
             index = {j: i for i, j in enumerate(fed)}
             parents = [index[nodes[j].parent] if nodes[j].parent >= 0 else -1 for j in fed]
-            features = self._parent_features(state, nodes, fed)
             self.block_manager.ensure_capacity(state.blocks, state.num_cached + len(fed))
             seqs.append(SequenceInput([nodes[j].token for j in fed], state.num_cached, state.blocks.blocks,
                                       parents=parents, logits_rows=[index[j] for j in front]))
-            embeds.append(self._embed([nodes[j].token for j in fed], features))
+            tokens += [nodes[j].token for j in fed]
+            features.append(self._parent_features(state, nodes, fed))
             fed_of.append(fed)
-        out = self.drafter(seqs, self.kv, return_hidden=True, input_embeds=torch.cat(embeds))
+        out = self.net(seqs, self.kv, tokens, torch.cat(features))
         logits, row, hid = [], 0, 0
         for state, nodes, front, fed in zip(states, trees, frontier, fed_of):
             logits.append(out.logits[row:row + len(front)])

@@ -257,7 +257,8 @@ class LLMEngine:
         self.stats.steps += 1
         inputs = [self._sequence_input(s) for s in batch]
         want_hidden = self.proposer is not None and getattr(self.proposer, "needs_hidden_states", False)
-        result = self.model(inputs, self.kv, return_hidden=want_hidden)
+        capture = getattr(self.proposer, "capture_layers", None) if want_hidden else None
+        result = self.model(inputs, self.kv, return_hidden=want_hidden, capture_layers=capture)
         self.stats.computed_tokens += sum(len(s.new_tokens) for s in batch)
         logit_row = hidden_row = 0
         for sched, inp in zip(batch, inputs):

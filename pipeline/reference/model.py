@@ -104,7 +104,8 @@ class ForwardOutput:
     """Logits of the requested rows (sequence by sequence) and, on request, hidden states of all new tokens."""
 
     logits: torch.Tensor  # [sum(len(logits_rows)), vocab] float32
-    hidden_states: torch.Tensor | None  # [sum(len(token_ids)), hidden]: final-norm output (the lm_head input)
+    # [sum(len(token_ids)), hidden]: final-norm output (the lm_head input), or the captured layers' outputs
+    hidden_states: torch.Tensor | None
 
 
 class LlamaModel(torch.nn.Module):
@@ -215,7 +216,8 @@ class LlamaModel(torch.nn.Module):
             return torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
         return kernel(x)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with this model's epsilon and dtype."""
         # as HF: normalise in fp32, cast back, then scale (.float() / .to() are no-ops in fp32)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype)
 
@@ -225,10 +227,16 @@ class LlamaModel(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool = False,
-                input_embeds: torch.Tensor | None = None) -> ForwardOutput:
+                input_embeds: torch.Tensor | None = None, capture_layers: tuple[int, ...] | None = None,
+                first_layer_input: torch.Tensor | None = None) -> ForwardOutput:
         """Run the new tokens of every sequence, write their KV, return logits of the requested rows.
 
         input_embeds [T, hidden] replaces the token embeddings (EAGLE feeds fc(embedding, target feature)).
+        capture_layers: with return_hidden, hidden_states are the residual-stream outputs of these layers
+        (ascending), concatenated [T, len * hidden], instead of the final-norm output (EAGLE-3 reads the
+        target's low / middle / high layers; a drafter reads its pre-norm output).
+        first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
+        over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
         plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
@@ -239,21 +247,32 @@ class LlamaModel(torch.nn.Module):
         sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
         x = self.embed.index_select(0, tokens) if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
+        if capture_layers is not None and (list(capture_layers) != sorted(set(capture_layers))
+                                           or not all(0 <= li < self.num_layers for li in capture_layers)):
+            raise ValueError(f"capture_layers {capture_layers} must be distinct, ascending layer ids below {self.num_layers}")
+        captured = []
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"]) if layer["input_norm"] is not None else x
+            if li == 0 and first_layer_input is not None:
+                h = first_layer_input.to(self.dtype)
+            else:
+                h = self.rms_norm(x, layer["input_norm"]) if layer["input_norm"] is not None else x
             qkv = self._linear(h, layer["qkv"])  # [T, (H + 2 KVH) * D]
             qk = self._rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)  # [T, H + KVH, D]
             q, k = qk.split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
             kv.write(li, plan.slots, k, qkv[:, (H + KVH) * D:].view(-1, KVH, D))
             attn = self._attention(li, q, kv, plan)  # [T, H * D]
             x = x + self._linear(attn, layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
+            h = self.rms_norm(x, layer["post_norm"])
             gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)  # [T, I] each
             x = x + self._linear(F.silu(gate) * up, layer["down"])
-        hidden = self._rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
+            if capture_layers is not None and li in capture_layers:
+                captured.append(x)
+        hidden = self.rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
         rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
         logits = self._linear(rows, self.lm_head_linear).float()  # [R, vocab]
-        return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
+        if not return_hidden:
+            return ForwardOutput(logits=logits, hidden_states=None)
+        return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""

@@ -60,6 +60,7 @@ class PolicyProposer:
     def __init__(self, inner: Proposer, config: PolicyConfig):
         self.inner, self.config = inner, config
         self.needs_hidden_states = inner.needs_hidden_states
+        self.capture_layers = getattr(inner, "capture_layers", None)
         self.requests: dict[str, _RequestPolicy] = {}
 
     def draft_len(self, inp: ProposalInput, batch_size: int) -> int:

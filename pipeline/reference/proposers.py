@@ -8,7 +8,8 @@ engine then runs it as a plain decode row (verifying an empty draft is exactly p
 
 - NgramProposer: prompt lookup, no model.
 - DraftModelProposer (draft_model.py): a small LlamaModel with its own KV cache.
-- MedusaProposer (medusa.py), EagleProposer (eagle.py): heads on the target's hidden states, trees.
+- MedusaProposer (medusa.py), EagleProposer (eagle.py; EAGLE-1/2 and EAGLE-3 networks): heads on the
+  target's hidden states, trees.
 - PolicyProposer (policy.py): wraps any proposer with adaptive K and the switch-off rules.
 """
 
@@ -31,7 +32,8 @@ class ProposalInput:
     num_tokens: int  # K: the most draft tokens (nodes, for trees) the engine will verify
     # [n, hidden] the target's final hidden states (after the final norm, i.e. the lm_head input) of the
     # n rows that produced token_ids[-n:] in the last target forward: the prompt rows after prefill,
-    # the root and accepted-path rows after a verify step. Only for proposers with needs_hidden_states.
+    # the root and accepted-path rows after a verify step. Only for proposers with needs_hidden_states;
+    # a proposer with a `capture_layers` tuple (EAGLE-3) gets those target layers' outputs instead, [n, k * hidden].
     hidden_states: torch.Tensor | None = None
     temperature: float = 0.0  # > 0: a draft model samples its tokens and returns q
     generator: torch.Generator | None = None  # the request's randomness, for sampled drafts

@@ -32,6 +32,7 @@ def engine_proposer(pretrained_config: dict, state: dict, target: LlamaModel, ch
                "vocab_size": target.vocab_size, "max_position_embeddings": target.config["max_position_embeddings"],
                "rope_theta": target.config["rotary_base"]}
         tree = {"choices": choices} if dynamic_top_k is None else {"dynamic_top_k": dynamic_top_k, "depth": eagle["num_eagle_layers"]}
-        return EagleProposer.from_state_dict(state, net, target, prefix="eagle.", max_batch_size=max_batch_size,
-                                             max_seq_len=max_seq_len, **tree)
+        layers = tuple(eagle["layers_to_capture"]) if eagle.get("layers_to_capture") else None  # EAGLE-3
+        return EagleProposer.from_state_dict(state, net, target, prefix="eagle.", layers_to_capture=layers,
+                                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, **tree)
     return None

@@ -32,6 +32,26 @@ def run_repo(args: argparse.Namespace) -> int:
         repo = assemble(plan if tc == toolchain else make_plan(spec, tc, inspection=plan.inspection))
         print(f"model repository ({tc}): {repo}  [validated: configs parse as Triton ModelConfig, "
               "tensors match NVIDIA's interface, limits match the engines]")
-        if toolchain_traits(tc).launch_script:
+        if toolchain_traits(tc).repository == "llmapi":
+            print(f"launch script: {write_llmapi_scripts(spec, tc, repo)}")
+        elif toolchain_traits(tc).launch_script:
             print(f"launch script: {write_launch_script(spec, repo)}")
     return 0
+
+
+def write_llmapi_scripts(spec, toolchain: str, repo) -> str:
+    """launch_triton.sh (ModelOpt steps, then Triton in the foreground) next to the llmapi repository; returns
+    its path and the equivalent trtllm-serve command."""
+    import shlex
+
+    from pipeline.repo.llmapi import OPTIONS_FILE
+    from specbuild.plan import make_plan
+    from specbuild.toolchains import toolchain_module
+
+    module = toolchain_module(toolchain)
+    plan = make_plan(spec, toolchain)
+    script = repo.parent / "launch_triton.sh"
+    script.write_text(module.build_script(plan))
+    script.chmod(0o755)
+    serve = module.trtllm_serve_command(spec, module.model_dirs(plan)["target"], repo.parent / OPTIONS_FILE)
+    return f"{script}\ntrtllm-serve (OpenAI API, same configuration): {shlex.join(serve)}"

@@ -216,6 +216,13 @@ def assemble(plan: Plan) -> Path:
     """Generate, write and validate the model repository of the plan's spec and toolchain; returns its folder."""
     from pipeline.repo.validate import validate_repo
 
+    if toolchain_traits(plan.toolchain).repository == "llmapi":  # one LLM API model on HF checkpoints, no engines
+        from pipeline.llmapi import llm_args
+        from pipeline.repo.llmapi import write_llmapi_repo
+        from specbuild.toolchains import toolchain_module
+
+        dirs = toolchain_module(plan.toolchain).model_dirs(plan)
+        return write_llmapi_repo(llm_args(plan.spec, dirs, kv_fractions(plan)["target"]), repo_dir(plan.spec, plan.toolchain))
     target, draft = engine_infos(plan)
     dest = write_repo(repo_models(plan, target, draft), repo_dir(plan.spec, plan.toolchain))
     validate_repo(dest, plan.spec, target, draft)

@@ -44,6 +44,32 @@ WEIGHT_ONLY_PRECISION = {"int8_wo": "int8", "int4_wo": "int4"}
 MODEL_DIR_VARS = {"target": "TARGET_MODEL_DIR", "draft": "DRAFT_MODEL_DIR"}
 
 
+# The scripts' cache rule, shared with the other GPU toolchains' scripts.
+RUN_STEP_FUNCTION = (
+    "# run_step KEY LABEL COMMAND...: skip a step whose output is cached; otherwise write KEY.tmp, rename on success.",
+    "run_step() {",
+    '  local key="$1" label="$2"; shift 2',
+    '  if [ -d "$CACHE_DIR/$key" ]; then echo "[$label] cached ($key)"; return 0; fi',
+    '  rm -rf "$CACHE_DIR/$key.tmp"; mkdir -p "$CACHE_DIR"',
+    '  echo "[$label] running ($key)"; local start=$SECONDS',
+    '  "$@"',
+    '  mv "$CACHE_DIR/$key.tmp" "$CACHE_DIR/$key"',
+    '  echo "[$label] done in $((SECONDS - start)) s"',
+    "}",
+)
+
+
+# Refuse to run outside the pinned TensorRT-LLM (engines and LLM API key spellings are tied to it).
+VERSION_CHECK = (
+    "python3 - <<'PY'",
+    "import importlib.metadata, sys",
+    "version = importlib.metadata.version('tensorrt_llm')",
+    f"if version != '{stack.TRTLLM_VERSION}':",
+    f"    sys.exit(f'error: tensorrt_llm {{version}} is installed; fix: run inside {stack.TRITON_IMAGE} (TensorRT-LLM {stack.TRTLLM_VERSION})')",
+    "PY",
+)
+
+
 @dataclass(frozen=True)
 class Command:
     """One command line: `tool` names its entry in the contract file; `args` are its arguments."""
@@ -152,6 +178,9 @@ def check_plan_rules(spec: Spec) -> None:
     """Rules of the trtllm toolchain that the reference toolchain does not have."""
     check_gpu_rules(spec)
     e = spec.speculative.eagle
+    if e is not None and e.version == 3:
+        raise SpecError("speculative.eagle.version", "EAGLE-3 has no TensorRT engine converter in TensorRT-LLM 1.2.1",
+                        "use toolchain: trtllm-llmapi (PyTorch backend) or reference")
     if e is not None:
         depth = max(len(c) for c in e.choices)
         if depth != e.num_layers:
@@ -279,27 +308,13 @@ def render_script(plan: Plan) -> str:
     lines += [
         "",
         "# The pinned stack: engines built by another TensorRT-LLM do not load in this Triton container.",
-        "python3 - <<'PY'",
-        "import importlib.metadata, sys",
-        "version = importlib.metadata.version('tensorrt_llm')",
-        f"if version != '{stack.TRTLLM_VERSION}':",
-        f"    sys.exit(f'error: tensorrt_llm {{version}} is installed; fix: run inside {stack.TRITON_IMAGE} (TensorRT-LLM {stack.TRTLLM_VERSION})')",
-        "PY",
+        *VERSION_CHECK,
         "",
-        "# run_step KEY LABEL COMMAND...: skip a step whose output is cached; otherwise write KEY.tmp, rename on success.",
-        "run_step() {",
-        '  local key="$1" label="$2"; shift 2',
-        '  if [ -d "$CACHE_DIR/$key" ]; then echo "[$label] cached ($key)"; return 0; fi',
-        '  rm -rf "$CACHE_DIR/$key.tmp"; mkdir -p "$CACHE_DIR"',
-        '  echo "[$label] running ($key)"; local start=$SECONDS',
-        '  "$@"',
-        '  mv "$CACHE_DIR/$key.tmp" "$CACHE_DIR/$key"',
-        '  echo "[$label] done in $((SECONDS - start)) s"',
-        "}",
+        *RUN_STEP_FUNCTION,
         "",
     ]
     for step, command in commands:
-        argv = " ".join(_quote(a) for a in command.argv())
+        argv = " ".join(shell_quote(a) for a in command.argv())
         lines.append(f"run_step {step.key} {step.label} {argv}")
     lines += ["", 'mkdir -p "$ENGINES_DIR"']
     for role in plan.roles:
@@ -308,7 +323,7 @@ def render_script(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _quote(arg: str) -> str:
+def shell_quote(arg: str) -> str:
     """Shell-quote an argument, keeping $VARIABLES expandable (double quotes)."""
     if "$" in arg:
         return '"' + arg.replace('"', '\\"') + '"'

@@ -1,0 +1,196 @@
+"""The trtllm-llmapi toolchain: every example it supports plans, renders and validates (script, llmapi
+repository, trtllm-serve options) with every generated key checked against the recorded LLM API facts; the
+others are refused in one line. GPU-only: checked through its contract (pipeline/contracts/llmapi.json)."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.llmapi import ContractError, check_llm_args, contract, llm_args, spelling
+from pipeline.repo.assemble import assemble, kv_fractions
+from pipeline.repo.config import parse_pbtxt
+from pipeline.repo.llmapi import OPTIONS_FILE, LlmapiRepoError, validate_llmapi_repo
+from pipeline.spec import SpecError, load_spec
+from specbuild.plan import make_plan
+from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
+from pipeline.fixtures.models import make_random_eagle3
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+TC = "trtllm-llmapi"
+# examples whose spec this toolchain refuses, with the field the one-line error names
+REFUSED = {"draft-target.yaml": "speculative.use_draft_logits", "eagle.yaml": "speculative.eagle.version",
+           "medusa.yaml": "speculative.mode", "qformat-int8-sq.yaml": "models.target.qformat",
+           "qformat-weight-only.yaml": "models.target.qformat"}
+
+
+@pytest.fixture(scope="module")
+def eagle3_heads(derived_pair, tmp_path_factory):
+    return make_random_eagle3(derived_pair[0], tmp_path_factory.mktemp("e3") / "eagle3", dtype="float32", draft_vocab_size=256)
+
+
+def tiny_spec(example: Path, derived_pair, heads, tmp_path, extra=()):
+    """The example on tiny checkpoints, outputs in tmp_path, toolchain trtllm-llmapi."""
+    spec = load_spec(example, check_paths=False)
+    sets = [f"models.target.checkpoint={derived_pair[0]}", f"output.dir={tmp_path / 'out'}",
+            f"output.cache_dir={tmp_path / 'cache'}", f"toolchain={TC}"]
+    if spec.models.draft is not None:
+        sets.append(f"models.draft.checkpoint={derived_pair[1]}")
+    if spec.speculative.eagle is not None and spec.speculative.eagle.version == 3:  # 4 layers: too shallow for the default
+        sets += [f"speculative.eagle.checkpoint={heads}", "speculative.eagle.layers_to_capture=[0, 1, 2]"]
+    return load_spec(example, sets + list(extra))
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e.name not in REFUSED], ids=lambda p: p.name)
+def test_supported_examples_plan_render_and_validate(example, derived_pair, eagle3_heads, tmp_path):
+    spec = tiny_spec(example, derived_pair, eagle3_heads, tmp_path)
+    plan = make_plan(spec, TC)
+    quantized = [r for r, m in (("target", spec.models.target), ("draft", spec.models.draft))
+                 if m is not None and (m.qformat != "none" or m.kv_cache_dtype != "none")
+                 and (r == "target" or spec.speculative.mode == "draft_target")]
+    assert [s.label for s in plan.steps] == [f"{r}/quantize" for r in quantized]  # no engine build
+
+    repo = assemble(plan)
+    config = validate_llmapi_repo(repo)
+    words = spelling()
+    e, s = spec.engine, spec.speculative
+    dirs = model_dirs(plan)
+    assert config["model"] == str(dirs["target"]) and config["backend"] == "pytorch"
+    assert (config["tensor_parallel_size"], config["pipeline_parallel_size"]) == (e.tp_size, e.pp_size)
+    assert (config["max_batch_size"], config["max_num_tokens"], config["max_seq_len"]) == \
+        (e.max_batch_size, e.max_num_tokens, e.max_seq_len)
+    two_model = s.mode == "draft_target"
+    assert config["kv_cache_config"]["enable_block_reuse"] == (spec.serving.enable_kv_cache_reuse and not two_model)
+    assert config["kv_cache_config"]["free_gpu_memory_fraction"] == kv_fractions(plan)["target"]  # the memory plan's
+    assert config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    sc = config.get("speculative_config")
+    if s.mode == "none":
+        assert sc is None
+    else:
+        assert sc["max_draft_len"] == s.num_draft_tokens
+    if s.mode == "eagle":
+        assert sc == {"decoding_type": words["decoding_type"]["eagle3"], "max_draft_len": s.num_draft_tokens,
+                      words["speculative_model_key"]: str(spec.speculative.eagle.checkpoint),
+                      "eagle3_one_model": True, "eagle3_layers_to_capture": [0, 1, 2]}
+    if s.mode == "draft_target":
+        assert sc["decoding_type"] == words["decoding_type"]["draft_target"]
+        assert sc[words["speculative_model_key"]] == str(dirs["draft"])
+    if s.mode == "ngram":
+        assert sc == {"decoding_type": "NGram", "max_draft_len": s.num_draft_tokens,
+                      "max_matching_ngram_size": s.ngram.max_ngram if s.ngram else 3,
+                      "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
+
+    # trtllm-serve: the same keys without `model`, which is its positional argument
+    options = yaml.safe_load((repo.parent / OPTIONS_FILE).read_text())
+    assert options == {k: v for k, v in config.items() if k not in ("model", "triton_config")}
+    serve = trtllm_serve_command(spec, dirs["target"], repo.parent / OPTIONS_FILE)
+    assert serve[:2] == ["trtllm-serve", config["model"]] and serve[serve.index("--extra_llm_api_options") + 1] == \
+        str(repo.parent / OPTIONS_FILE)
+
+    # config.pbtxt: NVIDIA's llmapi interface, no per-request speculation inputs, decoupled like model.yaml
+    cfg = parse_pbtxt((repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    names = {t.name for t in cfg.input}
+    assert names == set(contract()["config_pbtxt"]["inputs"]) and not names & {"num_draft_tokens", "use_draft_logits"}
+    assert cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+
+    script = render_script(plan)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert script.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in script
+    last = shlex.split(script.strip().splitlines()[-1])
+    assert last[:5] == ["exec", "mpirun", "--allow-run-as-root", "-n", "1"]  # the server stays in the foreground
+    assert "--model-repository=$LLMAPI_REPO" in last and "--disable-auto-complete-config" in last
+    assert f'LLMAPI_REPO="${{LLMAPI_REPO:-{repo}}}"' in script
+    for step in plan.steps:
+        [line] = [l for l in script.splitlines() if l.startswith(f"run_step {step.key} ")]
+        args = shlex.split(line)[5:]
+        value = dict(zip(args[::2], args[1::2]))
+        model = getattr(spec.models, step.role)
+        assert value["--qformat"] == model.qformat and value["--calib_size"] == str(model.calib_size)
+        assert value["--kv_cache_qformat"] == model.kv_cache_dtype
+        assert value["--export_path"] == f"$CACHE_DIR/{step.key}.tmp"
+        assert value.get("--awq_block_size") == (str(model.group_size) if model.qformat == "int4_awq" else None)
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e.name in REFUSED], ids=lambda p: p.name)
+def test_unsupported_examples_are_refused_in_one_line(example, derived_pair, eagle3_heads, tmp_path):
+    with pytest.raises(SpecError) as err:
+        tiny_spec(example, derived_pair, eagle3_heads, tmp_path)
+    message = str(err.value)
+    assert message.startswith(REFUSED[example.name] + ": ") and "\n" not in message and "fix: " in message
+
+
+def test_key_spelling_follows_the_release(derived_pair, eagle3_heads, tmp_path):
+    """1.2.1 reads the late-2025 names; releases after PRs #10099/#10124 read Eagle3 / Draft_Target /
+    speculative_model; each release's check refuses the other's spelling."""
+    spec = tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path)
+    dirs = {"target": derived_pair[0]}
+    old = llm_args(spec, dirs, release="1.2.1")["speculative_config"]
+    new = llm_args(spec, dirs, release="after-pr10124")["speculative_config"]
+    assert (old["decoding_type"], "speculative_model_dir" in old) == ("Eagle", True)
+    assert (new["decoding_type"], "speculative_model" in new) == ("Eagle3", True)
+    with pytest.raises(ContractError, match="decoding_type 'Eagle3'"):
+        check_llm_args({"model": "m", "backend": "pytorch", "speculative_config": new}, release="1.2.1")
+    with pytest.raises(ContractError, match="speculative_model_dir"):
+        check_llm_args({"model": "m", "backend": "pytorch", "speculative_config": {**old, "decoding_type": "Eagle3"}},
+                       release="after-pr10124")
+    draft = tiny_spec(REPO / "examples/qformat-fp8.yaml", derived_pair, eagle3_heads, tmp_path)
+    assert llm_args(draft, {"target": derived_pair[0], "draft": derived_pair[1]}, release="after-pr10124")[
+        "speculative_config"]["decoding_type"] == "Draft_Target"
+    with pytest.raises(SpecError, match="^toolchain: no LLM API facts for TensorRT-LLM 9.9"):
+        spelling("9.9")
+
+
+def test_quantized_models_are_served_from_their_cached_modelopt_output(derived_pair, eagle3_heads, tmp_path):
+    spec = tiny_spec(REPO / "examples/default.yaml", derived_pair, eagle3_heads, tmp_path,
+                     ["models.target.qformat=fp8", "models.target.kv_cache_dtype=fp8"])
+    plan = make_plan(spec, TC)
+    [step] = plan.steps
+    assert make_plan(spec, TC).steps[0].key == step.key  # content-addressed: the same inputs, the same key
+    assert make_plan(load_spec(spec.source, [f"models.target.checkpoint={derived_pair[0]}", "models.target.qformat=int4_awq", "models.target.group_size=64",
+                                             f"output.cache_dir={tmp_path / 'cache'}", f"toolchain={TC}"]), TC).steps[0].key != step.key
+    config = yaml.safe_load((assemble(plan) / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert config["model"] == str(tmp_path / "cache" / TC / step.key)
+    assert config["kv_cache_config"]["dtype"] == "fp8"
+
+
+def test_a_repository_that_disagrees_with_itself_is_caught(derived_pair, eagle3_heads, tmp_path):
+    spec = tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path)
+    repo = assemble(make_plan(spec, TC))
+    model_yaml = repo / "tensorrt_llm" / "1" / "model.yaml"
+    config = yaml.safe_load(model_yaml.read_text())
+    model_yaml.write_text(yaml.safe_dump({**config, "triton_config": {"max_batch_size": 0, "decoupled": False}}))
+    with pytest.raises(LlmapiRepoError, match="disagrees with model.yaml"):
+        validate_llmapi_repo(repo)
+    model_yaml.write_text(yaml.safe_dump({**config, "speculative_config": {**config["speculative_config"], "medusa_choices": [[0]]}}))
+    with pytest.raises(ContractError, match="medusa_choices"):
+        validate_llmapi_repo(repo)
+
+
+def test_clients_speak_the_llmapi_model_and_refuse_per_request_speculation(derived_pair, eagle3_heads, tmp_path):
+    """The clients library maps a request onto the generated llmapi interface (text_input + sampling_param_*),
+    and refuses num_draft_tokens / use_draft_logits (the CLI, OpenAI frontend and bench all build these requests)."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from clients.client import ClientError, GenerateRequest, ModelInputs, SamplingParams, _grpc_request
+
+    repo = assemble(make_plan(tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path), TC))
+    cfg = parse_pbtxt((repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    wire_type = {"TYPE_STRING": "BYTES"}
+    model = ModelInputs(cfg.name, {t.name: (wire_type.get(mc.DataType.Name(t.data_type), mc.DataType.Name(t.data_type)[5:]),
+                                            list(t.dims)) for t in cfg.input})
+    assert model.is_llmapi
+    request = GenerateRequest("Hello", max_tokens=5, sampling=SamplingParams(temperature=0.0, top_k=1, seed=3), stop_words=["x"])
+    encoded = model.encode(request.wire_fields(stream=True))
+    assert encoded == {"text_input": "Hello", "sampling_param_max_tokens": 5, "streaming": True,
+                       "sampling_param_exclude_input_from_output": True, "sampling_param_stop": ["x"],
+                       "sampling_param_return_perf_metrics": True, "sampling_param_temperature": 0.0,
+                       "sampling_param_top_k": 1, "sampling_param_seed": 3}
+    message = _grpc_request(model, request, stream=True)
+    assert {t.name: t.datatype for t in message.inputs}["sampling_param_seed"] == "UINT64"
+    for field in ({"num_draft_tokens": 4}, {"num_draft_tokens": 0}, {"use_draft_logits": True}):
+        with pytest.raises(ClientError, match="draft length is fixed per server") as err:
+            model.encode(GenerateRequest("Hello", **field).wire_fields(stream=True))
+        assert err.value.kind == "invalid_request" and "\n" not in str(err.value)
