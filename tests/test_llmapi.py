@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TC = "trtllm-llmapi"
 # examples whose spec this toolchain refuses, with the field the one-line error names
-REFUSED = {"draft-target.yaml": "speculative.use_draft_logits", "eagle.yaml": "speculative.eagle.version",
+REFUSED = {"default.yaml": "models.target.qformat",  # int8_sq: the CPU kernels' choice, no PyTorch-backend recipe
+           "draft-target.yaml": "speculative.use_draft_logits", "eagle.yaml": "speculative.eagle.version",
            "medusa.yaml": "speculative.mode", "qformat-int8-sq.yaml": "models.target.qformat",
            "qformat-weight-only.yaml": "models.target.qformat"}
 
