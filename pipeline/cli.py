@@ -20,7 +20,8 @@ from pipeline.spec import SpecError
 from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "specapps.bench", "specapps.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.lifecycle",
+                                   "specapps.bench", "specapps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")
