@@ -421,7 +421,7 @@ class TritonClient:
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
-            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
+            call.cancel()  # no-op when finished; else the server stops within one round or 16-token chunk
 
     def _http_responses(self, model, request, stream, start) -> Iterator[Delta]:
         body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}
@@ -550,7 +550,7 @@ class AsyncTritonClient:
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
-            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
+            call.cancel()  # no-op when finished; else the server stops within one round or 16-token chunk
 
     async def _http_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
         body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}

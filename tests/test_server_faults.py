@@ -204,15 +204,14 @@ def test_sigterm_drains_then_exits_0(tmp_path_factory, derived_pair):
         with TritonClient(url) as client:
             expected = [client.generate(r).text for r in short]
         results: list = [None] * 8
-        long = [request(p, DRAIN_LONG, K) for p in texts[4:]]
-        for r in long:
-            r.end_id = -1  # no token ends them early: they outlast the budget
+        long = [request(p, DRAIN_LONG, K, min_tokens=DRAIN_LONG) for p in texts[4:]]  # no early end_id
         threads = _run_streams(url, short + long, results, None)
         time.sleep(0.3)  # every request is admitted
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         while read_state(drain_file) != DRAINING and time.monotonic() < sent + 10:
             time.sleep(0.05)
+        time.sleep(0.5)  # the models read the state at most 0.2 s late
         assert any("shutting down" in r for r in check(ep))
         with TritonClient(url) as client:
             with pytest.raises(ClientError, match="shutting down and takes no new requests"):
