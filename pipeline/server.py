@@ -255,7 +255,7 @@ class TritonServer:
         self.stop()
 
 
-def serve_forever(server: TritonServer, drain_budget_s: float, draft_failure: str = "restart") -> None:
+def serve_forever(server: TritonServer, drain_budget_s: float) -> None:
     """Run until Ctrl-C (stops at once) or SIGTERM (drains within `drain_budget_s`, then stops)."""
     from pipeline.lifecycle import Endpoints, drain
 
@@ -273,7 +273,7 @@ def serve_forever(server: TritonServer, drain_budget_s: float, draft_failure: st
                 if server.process.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {server.process.returncode}\n{server.log_tail()}")
                 time.sleep(0.5)
-            ep = Endpoints(server.http_url, server.metrics_url, server.model_repository, server.drain_file, draft_failure)
+            ep = Endpoints(server.http_url, server.metrics_url, server.model_repository, server.drain_file)
             drain(ep, drain_budget_s, log=lambda line: print(line, flush=True))
         except KeyboardInterrupt:
             pass
@@ -297,5 +297,5 @@ def run_serve(args: argparse.Namespace) -> int:
     server = TritonServer(repo, host=s.host, http_port=s.http_port, grpc_port=s.grpc_port,
                           metrics_port=s.metrics_port, log_file=args.log_file or spec.out_dir / "tritonserver.log",
                           drain_file=os.environ.get(DRAIN_ENV) or None)
-    serve_forever(server, s.drain_timeout_s, s.draft_failure)
+    serve_forever(server, s.drain_timeout_s)
     return 0
