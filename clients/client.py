@@ -201,8 +201,22 @@ class ModelInputs:
                     continue
                 raise ClientError("invalid_request", f"model '{self.name}' has no input '{name}'; "
                                   f"drop it or send the request to tensorrt_llm_bls, which accepts it")
+            _check_range(wire, value, self.inputs[wire][0])
             encoded[wire] = value
         return encoded
+
+
+def _check_range(name: str, value: object, datatype: str) -> None:
+    """Refuse an integer that the input's Triton datatype cannot hold (numpy would wrap it silently)."""
+    if datatype == "BOOL" or datatype == "BYTES" or not datatype.startswith(("INT", "UINT")):
+        return
+    info = np.iinfo(triton_to_np_dtype(datatype))
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ClientError("invalid_request", f"{name}={v!r} is not an integer; send a whole number")
+        if not info.min <= v <= info.max:
+            raise ClientError("invalid_request", f"{name}={v} does not fit the model's {datatype} input "
+                              f"[{info.min}, {info.max}]; send a smaller value")
 
 
 def _check_request(request: GenerateRequest) -> None:
@@ -464,7 +478,7 @@ class TritonClient:
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
-            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
+            call.cancel()  # no-op when finished; else the server stops within one round or 16-token chunk
 
     def _http_responses(self, model, request, stream, start) -> Iterator[Delta]:
         body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}
@@ -593,7 +607,7 @@ class AsyncTritonClient:
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
-            call.cancel()  # no-op when finished; stops the server's work when the caller stops early
+            call.cancel()  # no-op when finished; else the server stops within one round or 16-token chunk
 
     async def _http_responses(self, model, request, stream, start) -> AsyncIterator[Delta]:
         body = {**model.encode(request.wire_fields(stream)), "id": request.request_id}

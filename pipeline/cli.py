@@ -20,7 +20,8 @@ from pipeline.spec import SpecError
 from pipeline.toolchains import GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 
 # Modules of other subcommands (each exposes add_parser(subparsers)).
-SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.apps.bench", "pipeline.apps.demo"]
+SUBCOMMAND_MODULES: list[str] = ["pipeline.deploy", "pipeline.repo", "pipeline.server", "pipeline.lifecycle",
+                                   "pipeline.apps.bench", "pipeline.apps.demo"]
 
 
 BUILTIN_COMMANDS = ("validate", "inspect", "plan", "engines", "models")

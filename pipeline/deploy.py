@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import shutil
@@ -32,9 +33,11 @@ import yaml
 
 from pipeline import __version__, lws, stack
 from pipeline.cliargs import add_spec_arguments
+from pipeline.lifecycle import ABORT_WAIT_S
 from pipeline.llmapi import TOOLCHAIN as LLMAPI_TOOLCHAIN
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
+from pipeline.serving.drain import DRAIN_ENV
 from pipeline.spec import Spec, SpecError, load_spec, named_checkpoints, parse_spec, to_dict
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 from specbuild.plan import DigestCache, Plan, checkpoint_files, folder_digest, make_plan
@@ -52,8 +55,14 @@ ENGINES_MOUNT = PurePosixPath("/engines")
 MODELS_MOUNT = PurePosixPath("/models")
 FILES_MOUNT = PurePosixPath("/etc/specdeploy")
 READY = "READY"
-# Triton's own shutdown wait for in-flight requests; the pod's 120 s grace covers preStop (15 s) + this.
+# Triton's own shutdown wait (trtllm command): by the time Triton gets SIGTERM the preStop drain left nothing in flight.
 EXIT_TIMEOUT_S = 90
+# Shutdown (docs/reliability.md): preStop runs `pipeline drain`: readiness false for UNREADY_DELAY_S while endpoint
+# removal reaches clients and proxies, then new requests are refused and in-flight ones get serving.drain_timeout_s,
+# then the rest end with an error (lifecycle.ABORT_WAIT_S); the kubelet's SIGTERM then stops Triton within STOP_S.
+UNREADY_DELAY_S = 15
+STOP_S = 45
+DRAIN_FILE = "/tmp/specdeploy.drain"  # the drain state file (pipeline.serving.drain) of the pod's server
 KV_FRACTION_PARAM = "kv_cache_free_gpu_mem_fraction"  # engine models' config.pbtxt parameter
 # Recording rules (PrometheusRule) and the HPA's Pods metric served by the Prometheus adapter.
 QUEUE_RATIO_RECORD = "triton:queue_compute:ratio"
@@ -298,6 +307,17 @@ def engine_models(d: DeployPlan) -> list[str]:
     return [m for m in (TARGET_MODEL, DRAFT_MODEL) if m in d.model_names]
 
 
+def termination_grace_s(spec: Spec) -> int:
+    """The pod's terminationGracePeriodSeconds: the preStop drain (unready delay, budget, aborts) plus the stop."""
+    return int(UNREADY_DELAY_S + math.ceil(spec.serving.drain_timeout_s) + ABORT_WAIT_S + STOP_S)
+
+
+def lifecycle_command(d: DeployPlan, *args: str) -> list[str]:
+    """`python -m pipeline <args> SPEC --repo REPO` as the Triton container runs it (probes, preStop)."""
+    python = "python3" if toolchain_traits(d.toolchain).gpu else "python"  # NVIDIA's image has no `python`
+    return [python, "-m", "pipeline", *args, str(FILES_MOUNT / "spec.yaml"), "--repo", d.model_repo]
+
+
 def _gpu_resources(count: int) -> dict:
     return {"limits": {"nvidia.com/gpu": count}, "requests": {"nvidia.com/gpu": count}}
 
@@ -309,7 +329,8 @@ def _gpu_affinity(product: str) -> dict:
 
 
 def deployment_patch(d: DeployPlan) -> dict:
-    """Strategic-merge patch of the Triton Deployment: command, port numbers, GPUs, node affinity."""
+    """Strategic-merge patch of the Triton Deployment: command, port numbers, probes and preStop drain (with the
+    grace period they need), GPUs, node affinity."""
     s = d.spec.serving
     container = {
         "name": "triton",
@@ -318,11 +339,20 @@ def deployment_patch(d: DeployPlan) -> dict:
         "ports": [{"$patch": "replace"}, {"name": "http", "containerPort": s.http_port},
                   {"name": "grpc", "containerPort": s.grpc_port}, {"name": "metrics", "containerPort": s.metrics_port}],
     }
-    pod: dict = {"containers": [container]}
+    # Readiness and liveness are our checks, not Triton's /v2/health/*: those stay 200 when a python stub died
+    # and know nothing of the drain (pipeline.lifecycle). `$patch: replace` drops the base's httpGet.
+    probe = {"$patch": "replace", "periodSeconds": 10, "timeoutSeconds": 10}
+    container["readinessProbe"] = {**probe, "exec": {"command": lifecycle_command(d, "health")}, "failureThreshold": 2}
+    container["livenessProbe"] = {**probe, "exec": {"command": lifecycle_command(d, "health", "--live")},
+                                  "failureThreshold": 3}
+    container["lifecycle"] = {"preStop": {"exec": {"command": lifecycle_command(
+        d, "drain", "--unready-delay", str(UNREADY_DELAY_S))}}}
+    container["env"] = [{"name": DRAIN_ENV, "value": DRAIN_FILE}]
+    pod: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_s(d.spec)}
     if toolchain_traits(d.toolchain).gpu:
         container["resources"] = _gpu_resources(d.gpus_per_pod)
         # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
-        container["env"] = [{"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)}]
+        container["env"].append({"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)})
         if d.topology:  # leader mode across nodes: no orchestrator (it spawns ranks on its own node only)
             container["env"].append({"name": "TRTLLM_ORCHESTRATOR", "$patch": "delete"})
         pod["affinity"] = _gpu_affinity(d.spec.gpu.name)

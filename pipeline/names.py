@@ -21,8 +21,10 @@ ACCEPTED_PER_POSITION_METRIC = "spec_decode_accepted_tokens_per_position_total"
 ACCEPTANCE_LENGTH_METRIC = "spec_decode_acceptance_length"
 ROUNDS_METRIC = "spec_decode_rounds_total"
 FALLBACKS_METRIC = "spec_decode_draft_fallbacks_total"
+MODEL_UP_METRIC = "spec_decode_model_up"  # gauge, labels model + callee: 0 once a model the BLS calls died
+IN_FLIGHT_METRIC = "spec_decode_requests_in_flight"  # gauge: requests the BLS (or ensemble) is serving now
 SPEC_DECODE_METRICS = (DRAFT_TOKENS_METRIC, ACCEPTED_TOKENS_METRIC, ACCEPTED_PER_POSITION_METRIC,
-                       ACCEPTANCE_LENGTH_METRIC, ROUNDS_METRIC, FALLBACKS_METRIC)
+                       ACCEPTANCE_LENGTH_METRIC, ROUNDS_METRIC, FALLBACKS_METRIC, MODEL_UP_METRIC, IN_FLIGHT_METRIC)
 # Metrics of a reference engine model (its busy time inside step()).
 ENGINE_STEP_SECONDS_METRIC = "reference_engine_step_seconds_total"
 ENGINE_STEPS_METRIC = "reference_engine_steps_total"

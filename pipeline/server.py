@@ -10,7 +10,9 @@ startup has a deadline and scans the log.
     with TritonServer(repo, http_port=8000) as server:
         print(server.http_url)        # "127.0.0.1:8000"
 
-or from the shell: `python -m pipeline serve SPEC`.
+or from the shell: `python -m pipeline serve SPEC`. On SIGTERM that command drains first
+(pipeline.lifecycle.drain: readiness false, new requests refused, in-flight ones finish within
+serving.drain_timeout_s, the rest end with an explicit error), then stops Triton and exits 0.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.serving.drain import DRAIN_ENV, SERVING, drain_path, write_state
 
 # The stub ignores PYTHONPATH but puts its working directory on sys.path: models import `pipeline`
 # because the server runs from the project root.
@@ -101,9 +104,11 @@ def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def server_env() -> dict[str, str]:
-    """Environment for the server: this interpreter's bin first on PATH, its lib dir on LD_LIBRARY_PATH, passive OpenMP."""
+def server_env(drain_file: Path) -> dict[str, str]:
+    """Environment for the server: this interpreter's bin first on PATH, its lib dir on LD_LIBRARY_PATH, passive
+    OpenMP, and the drain state file the text models read (pipeline.serving.drain)."""
     env = dict(os.environ)
+    env[DRAIN_ENV] = str(drain_file)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
     # Each python model is its own process with its own OpenMP pool; spinning idle OpenMP threads steal
@@ -126,9 +131,11 @@ class TritonServer:
     log_file: Path | None = None  # default: <workdir>/tritonserver.log
     startup_timeout_s: float = 180.0
     log_verbose: int = 0
+    drain_file: Path | None = None  # default: pipeline.serving.drain.drain_path(http_port)
 
     def __post_init__(self):
         self.model_repository = Path(self.model_repository).resolve()
+        self.drain_file = Path(self.drain_file) if self.drain_file else drain_path(self.http_port)
         self.shm_prefix = f"specdeploy_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self.workdir = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
         self.log_file = Path(self.log_file) if self.log_file else self.workdir / "tritonserver.log"
@@ -177,8 +184,9 @@ class TritonServer:
                 raise ServerError(f"{name} {port} on {self.host} is already in use; fix: stop the other server "
                                   f"or pick another port (serving.{name} in the spec)")
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        write_state(self.drain_file, SERVING)  # a state left by an earlier server on this port would refuse every request
         log = open(self.log_file, "wb")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.drain_file),
                                         cwd=PROJECT_ROOT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
@@ -236,6 +244,7 @@ class TritonServer:
     def _cleanup_shm(self) -> None:
         for path in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             path.unlink(missing_ok=True)
+        write_state(self.drain_file, SERVING)
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
@@ -245,8 +254,10 @@ class TritonServer:
         self.stop()
 
 
-def serve_forever(server: TritonServer) -> None:
-    """Run until Ctrl-C or SIGTERM, then stop cleanly."""
+def serve_forever(server: TritonServer, drain_budget_s: float) -> None:
+    """Run until Ctrl-C (stops at once) or SIGTERM (drains within `drain_budget_s`, then stops)."""
+    from pipeline.lifecycle import Endpoints, drain
+
     stop = {"now": False}
 
     def _handle(signum, frame):
@@ -255,15 +266,17 @@ def serve_forever(server: TritonServer) -> None:
     signal.signal(signal.SIGTERM, _handle)
     with server:
         print(f"Triton ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
-        print(f"log: {server.log_file}   (Ctrl-C stops)")
+        print(f"log: {server.log_file}   (Ctrl-C stops; SIGTERM drains first)", flush=True)
         try:
             while not stop["now"]:
                 if server.process.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {server.process.returncode}\n{server.log_tail()}")
                 time.sleep(0.5)
+            ep = Endpoints(server.http_url, server.metrics_url, server.model_repository, server.drain_file)
+            drain(ep, drain_budget_s, log=lambda line: print(line, flush=True))
         except KeyboardInterrupt:
             pass
-    print("Triton stopped")
+    print("Triton stopped", flush=True)
 
 
 def add_parser(subparsers) -> None:
@@ -281,6 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
     repo = args.repo or spec.out_dir / "model_repo"
     s = spec.serving
     server = TritonServer(repo, host=s.host, http_port=s.http_port, grpc_port=s.grpc_port,
-                          metrics_port=s.metrics_port, log_file=args.log_file or spec.out_dir / "tritonserver.log")
-    serve_forever(server)
+                          metrics_port=s.metrics_port, log_file=args.log_file or spec.out_dir / "tritonserver.log",
+                          drain_file=os.environ.get(DRAIN_ENV) or None)
+    serve_forever(server, s.drain_timeout_s)
     return 0

@@ -136,6 +136,14 @@ class ServingSpec:
     grpc_port: int = 8001
     metrics_port: int = 8002
     max_queue_delay_microseconds: int = 1000
+    # Shutdown (docs/reliability.md): after SIGTERM, requests in flight get this long to finish; the
+    # Deployment's terminationGracePeriodSeconds is derived from it.
+    drain_timeout_s: float = 60.0
+    # A draft model whose stub died: `restart` fails readiness and liveness (Kubernetes takes the pod out
+    # of the Service and restarts it); `degraded` stays ready and serves without speculation.
+    draft_failure: Literal["restart", "degraded"] = "restart"
+    # A model call (BLS -> target or draft) with no response for this long fails.
+    stall_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -417,6 +425,10 @@ def check_combinations(spec: Spec) -> None:
     if kv.target is not None and kv.draft is not None and kv.target + kv.draft >= 1:
         raise SpecError("serving.kv_cache_free_gpu_mem_fraction", f"target + draft = {kv.target + kv.draft:.2f} >= 1",
                         "lower them so both engines fit")
+    for name in ("drain_timeout_s", "stall_timeout_s"):
+        if not 0 < getattr(spec.serving, name) < 86400:
+            raise SpecError(f"serving.{name}", f"{getattr(spec.serving, name)} is not between 0 and 86400 seconds",
+                            "use e.g. 60")
     if spec.toolchain == "trtllm-llmapi":  # what the PyTorch backend lacks (pipeline/llmapi.py)
         from pipeline.llmapi import check_rules
 

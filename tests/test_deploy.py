@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from pipeline import __version__, deploy, names, stack
+from pipeline.lifecycle import ABORT_WAIT_S
 from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
 from pipeline.toolchains import toolchain_traits
@@ -30,7 +31,6 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with kustom
 REPO_DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 BLS_METRICS = REPO_DEPLOY.parent / "pipeline" / "serving" / "metrics.py"
 CRD_GROUP = "monitoring.coreos.com/"  # Prometheus operator CRDs: kubernetes-validate has no schema for them
-PRESTOP_S = 15
 
 SPECS = {
     "cpu-reference": """
@@ -394,15 +394,23 @@ def test_server_probes_startup_budget_and_draining(rendered, case):
     d, objects = rendered[case]
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     triton = container(pod, "triton")
-    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
-                        ("livenessProbe", "/v2/health/live")):
-        assert triton[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+    assert triton["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    # readiness, liveness and preStop run our lifecycle commands (Triton's endpoints miss a dead stub and the drain)
+    spec_args = [str(deploy.FILES_MOUNT / "spec.yaml"), "--repo", d.model_repo]
+    python = "python3" if d.toolchain == "trtllm" else "python"
+    assert triton["readinessProbe"]["exec"]["command"] == [python, "-m", "pipeline", "health", *spec_args]
+    assert triton["livenessProbe"]["exec"]["command"] == [python, "-m", "pipeline", "health", "--live", *spec_args]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "httpGet" not in triton[probe]
+    assert triton["lifecycle"]["preStop"]["exec"]["command"] == [
+        python, "-m", "pipeline", "drain", "--unready-delay", str(deploy.UNREADY_DELAY_S), *spec_args]
+    assert {"name": "SPECDEPLOY_DRAIN_FILE", "value": deploy.DRAIN_FILE} in triton["env"]
     startup = triton["startupProbe"]
     budget_s = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget_s >= (1200 if toolchain_traits(d.toolchain).gpu else 300)  # a cold engine load
-    assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
-    drain_s = PRESTOP_S + deploy.EXIT_TIMEOUT_S
-    assert pod["terminationGracePeriodSeconds"] > drain_s
+    # the grace covers the whole preStop drain (unready delay, budget, aborted requests' errors) and the stop
+    drain_s = deploy.UNREADY_DELAY_S + d.spec.serving.drain_timeout_s + ABORT_WAIT_S
+    assert pod["terminationGracePeriodSeconds"] >= drain_s + 30
     if toolchain_traits(d.toolchain).gpu:
         assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in " ".join(triton["command"])
     shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
@@ -720,7 +728,9 @@ def test_server_pod_command_serves_probes_metrics_and_the_benchmark_then_drains_
         started = time.monotonic()
         os.kill(server.pid, signal.SIGTERM)
         assert server.wait(timeout=60) == 0
-        assert time.monotonic() - started < 120 - PRESTOP_S  # terminationGracePeriodSeconds minus preStop
+        # the grace period minus what the preStop drain may use
+        grace_s = deploy.termination_grace_s(d.spec)
+        assert time.monotonic() - started < grace_s - deploy.UNREADY_DELAY_S - d.spec.serving.drain_timeout_s
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)

@@ -69,7 +69,11 @@ def test_tensors_match_nvidia_contract(reference_repo):
         assert {t.name for t in cfg.output} >= {t.name for t in nvidia.outputs}
     ensemble = parse(repo / "ensemble" / "config.pbtxt")
     assert {"num_draft_tokens", "use_draft_logits"} <= {t.name for t in ensemble.input}
-    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tensorrt_llm_bls"]
+    # a python model running the BLS's code (Triton passes no cancellation into a one-step ensemble)
+    bls = parse(repo / "tensorrt_llm_bls" / "config.pbtxt")
+    assert ensemble.backend == "python" and ensemble.model_transaction_policy.decoupled
+    assert dict(ensemble.parameters) == dict(bls.parameters)
+    assert (repo / "ensemble" / "1" / "model.py").read_bytes() == (repo / "tensorrt_llm_bls" / "1" / "model.py").read_bytes()
 
 
 def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):

@@ -351,10 +351,11 @@ def test_cancelled_stream_stops_its_work(triton_server):
     client.stop_stream(cancel_requests=True)
     log = triton_server.server.log_file
     deadline = time.monotonic() + 60
-    while "request cancelled after" not in log.read_text() and time.monotonic() < deadline:
+    marker = "tensorrt_llm_bls: request cancelled by its client, stopped after "
+    while marker not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
-    line = next(l for l in log.read_text().splitlines() if "request cancelled after" in l)
-    stopped_at = int(line.split("request cancelled after ")[1].split(" of ")[0])
+    line = next(l for l in log.read_text().splitlines() if marker in l)
+    stopped_at = int(line.split(marker)[1].split(" of ")[0])
     assert stopped_at < max_tokens
     (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(prompts(1)[0], 4)])
     assert joined_text(results)

@@ -143,7 +143,7 @@ def run_bench(spec, log=print) -> str:
     runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
     if traits(spec.speculative.mode).has_draft_engine:
         runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
-    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log, log_info=lambda m: None)
+    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
     samples: dict[str, list[float]] = {}  # name -> tokens/s (plain) or seconds (speculative)
 

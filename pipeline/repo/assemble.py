@@ -2,8 +2,8 @@
 
 Model names, tensors and parameter keys are NVIDIA's inflight_batcher_llm ones
 (preprocessing, postprocessing, tensorrt_llm, tensorrt_llm_draft, tensorrt_llm_bls, ensemble).
-The ensemble is one step into tensorrt_llm_bls, so a text request speculates when it sets
-num_draft_tokens. The python models (everything but the trtllm engines) are the files of
+The ensemble serves NVIDIA's ensemble interface with tensorrt_llm_bls's code, so a text request
+speculates when it sets num_draft_tokens. The python models (everything but the trtllm engines) are the files of
 model_repo/ in this project, the same code for both toolchains.
 
     repo = assemble(make_plan(spec, "reference"))      # -> <out_dir>/model_repo
@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
-from pipeline.repo.config import DynamicBatching, EnsembleStep, ModelConfigSpec
+from pipeline.repo.config import DynamicBatching, ModelConfigSpec
 from pipeline.repo.interface import interface
 from pipeline.spec import Spec, SpecError
 from pipeline.toolchains import toolchain_traits
@@ -140,6 +140,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "min_acceptance_rate": str(s.min_acceptance_rate),
+        "stall_timeout_s": str(spec.serving.stall_timeout_s),
     }
     if traits(s.mode).bls_lookup:
         params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
@@ -149,19 +150,19 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                            instance_count=spec.serving.bls_instances, parameters=params)
 
 
-def ensemble_model(spec: Spec) -> ModelConfigSpec:
-    """ensemble: NVIDIA's text interface plus num_draft_tokens/use_draft_logits, one step into the BLS."""
+def ensemble_model(bls: ModelConfigSpec) -> ModelConfigSpec:
+    """ensemble: NVIDIA's text interface plus num_draft_tokens/use_draft_logits, served by the BLS's code.
+
+    Not a Triton ensemble: Triton (2.51 and later) checks a cancelled ensemble request only between
+    its steps, so a one-step ensemble never passes a client's cancellation to the BLS, which kept
+    generating after the client left. As a python model running the BLS's code it sees the
+    cancellation itself (docs/reliability.md); clients see the same inputs and outputs.
+    """
     iface = interface("ensemble")
-    bls_inputs = {t.name for t in interface("tensorrt_llm_bls").inputs}
-    bls_outputs = {t.name for t in interface("tensorrt_llm_bls").outputs}
-    step = EnsembleStep(model_name="tensorrt_llm_bls",
-                        input_map={t.name: t.name for t in iface.inputs if t.name in bls_inputs},
-                        output_map={t.name: t.name for t in iface.outputs if t.name in bls_outputs})
-    missing = [t.name for t in iface.inputs if t.name not in bls_inputs]
-    if missing:  # a contract change would silently drop inputs otherwise
+    missing = [t.name for t in iface.inputs if t.name not in {i.name for i in bls.inputs}]
+    if missing:  # the BLS's code reads its inputs by name: a contract change would silently drop these
         raise RuntimeError(f"ensemble inputs {missing} have no tensorrt_llm_bls input")
-    return ModelConfigSpec(name="ensemble", platform="ensemble", max_batch_size=spec.engine.max_batch_size,
-                           inputs=iface.inputs, outputs=iface.outputs, ensemble_steps=(step,))
+    return replace(bls, name="ensemble", inputs=iface.inputs, outputs=iface.outputs)
 
 
 def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
@@ -187,7 +188,8 @@ def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> lis
               engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
     if draft is not None:
         models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
-    models += [bls_model(spec, toolchain, tokenizer_dir, target, draft is not None), ensemble_model(spec)]
+    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None)
+    models += [bls, ensemble_model(bls)]
     return models
 
 
@@ -205,7 +207,7 @@ def write_repo(models: list[ModelConfigSpec], dest: Path) -> Path:
         (model_dir / "1").mkdir(parents=True)
         (model_dir / "config.pbtxt").write_text(m.render())
         if m.backend == "python":
-            code = "tensorrt_llm" if m.name == "tensorrt_llm_draft" else m.name
+            code = {"tensorrt_llm_draft": "tensorrt_llm", "ensemble": "tensorrt_llm_bls"}.get(m.name, m.name)
             shutil.copy2(MODEL_CODE_DIR / code / "1" / "model.py", model_dir / "1" / "model.py")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)

@@ -25,15 +25,6 @@ class DynamicBatching:
 
 
 @dataclass(frozen=True)
-class EnsembleStep:
-    """One step of an ensemble: model inputs/outputs mapped to ensemble tensor names."""
-
-    model_name: str
-    input_map: dict[str, str]  # composing model input -> ensemble tensor
-    output_map: dict[str, str]  # composing model output -> ensemble tensor
-
-
-@dataclass(frozen=True)
 class ModelConfigSpec:
     """Everything a config.pbtxt says, typed."""
 
@@ -42,20 +33,16 @@ class ModelConfigSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     backend: str | None = None  # "python" | "tensorrtllm"
-    platform: str | None = None  # "ensemble"
     decoupled: bool | None = None
-    instance_count: int | None = None  # KIND_CPU instances; None for ensembles
+    instance_count: int | None = None  # KIND_CPU instances
     dynamic_batching: DynamicBatching | None = None
     parameters: dict[str, str] = field(default_factory=dict)
-    ensemble_steps: tuple[EnsembleStep, ...] = ()
 
     def to_proto(self) -> mc.ModelConfig:
         """The ModelConfig protobuf message."""
         cfg = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
         if self.backend:
             cfg.backend = self.backend
-        if self.platform:
-            cfg.platform = self.platform
         if self.decoupled is not None:
             cfg.model_transaction_policy.decoupled = self.decoupled
         for t in self.inputs:
@@ -72,10 +59,6 @@ class ModelConfigSpec:
                 cfg.dynamic_batching.default_queue_policy.max_queue_size = db.max_queue_size
         for key, value in self.parameters.items():
             cfg.parameters[key].string_value = value
-        for step in self.ensemble_steps:
-            s = cfg.ensemble_scheduling.step.add(model_name=step.model_name, model_version=-1)
-            s.input_map.update(step.input_map)
-            s.output_map.update(step.output_map)
         return cfg
 
     def render(self) -> str:

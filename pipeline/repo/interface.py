@@ -46,20 +46,22 @@ class Interface:
     parameter_keys: frozenset[str]
 
 
-# Our additions to NVIDIA's interface. The ensemble routes through tensorrt_llm_bls so that
-# speculation is one request field away; the BLS and python models read a few more parameters.
+# Our additions to NVIDIA's interface. The ensemble runs tensorrt_llm_bls's code (so it carries the
+# BLS's parameters) and speculation is one request field away; the python models read a few more parameters.
 # Text responses also carry `output_ids`, the token ids behind each text delta, so that a client can
 # line up output_log_probs / generation_logits with tokens (the OpenAI frontend's logprobs).
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))
+BLS_PARAMETER_KEYS = frozenset({
+    "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
+    "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
+    "min_acceptance_rate", "skip_special_tokens", "stall_timeout_s"})
 EXTENSIONS: dict[str, Interface] = {
     "ensemble": Interface(
         inputs=(TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True),
                 TensorSpec("use_draft_logits", "TYPE_BOOL", (1,), optional=True)),
-        outputs=(OUTPUT_IDS,), parameter_keys=frozenset()),
-    "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=frozenset({
-        "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
-        "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
-        "min_acceptance_rate", "skip_special_tokens"})),
+        outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS | {"accumulate_tokens", "tensorrt_llm_model_name",
+                                                                  "tensorrt_llm_draft_model_name"}),
+    "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS),
     # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses eagle_choices).
     "tensorrt_llm": Interface(inputs=(), outputs=(), parameter_keys=frozenset({"eagle_dynamic_tree_top_k"})),
 }

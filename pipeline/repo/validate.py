@@ -123,7 +123,7 @@ def check_engines(configs: dict[str, mc.ModelConfig], spec: Spec, target, draft)
         raise RepoError("tensorrt_llm_bls", "tensorrt_llm_draft_model_name disagrees with the presence of a draft engine",
                         "regenerate the repository with `make repo`")
     target_tok = spec.models.target.checkpoint.resolve()
-    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls", "ensemble"):
         tok = Path(_param(configs[name], "tokenizer_dir")).resolve()
         if tok != target_tok:
             raise RepoError(name, f"tokenizer_dir {tok} is not the target's tokenizer {target_tok}",
@@ -160,7 +160,4 @@ def validate_repo(repo: Path, spec: Spec, target, draft) -> dict[str, mc.ModelCo
             raise RepoError(name, f"max_batch_size {cfg.max_batch_size} differs from engine.max_batch_size {mbs}",
                             "regenerate the repository with `make repo`")
     check_engines(configs, spec, target, draft)
-    for step in configs["ensemble"].ensemble_scheduling.step:
-        if step.model_name not in configs:
-            raise RepoError("ensemble", f"step model {step.model_name} is not in the repository", "regenerate the repository")
     return configs

@@ -15,8 +15,10 @@ Log-probabilities and logits a request asks for (return_log_probs, return_genera
 return_context_logits) come from the target's calls only, so they are the target's whatever proposed
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
-stream straight from one target call. A draft failure switches that request to plain decoding,
-counted and logged; acceptance below min_acceptance_rate does the same.
+stream from target calls of PLAIN_CHUNK_TOKENS tokens. A draft failure switches that request to
+plain decoding, counted and logged; acceptance below min_acceptance_rate does the same.
+A request whose `stop()` turns true (client gone, server shutting down) ends within one round or
+one plain chunk by raising `Stopped`: it never ends with a final response that looks complete.
 """
 
 from __future__ import annotations
@@ -28,18 +30,22 @@ import numpy as np
 
 from pipeline.modes import traits
 from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
-from pipeline.serving.errors import RequestError
+from pipeline.serving.errors import RequestError, Stopped
 from pipeline.serving.params import BlsSettings, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
 ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before min_acceptance_rate may switch it off
 # Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
-# BLS sub-request, so a cancelled request stops within one chunk.
-PLAIN_CHUNK_TOKENS = 64
+# BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
+PLAIN_CHUNK_TOKENS = 16
 
 
 class ModelError(RuntimeError):
     """A model call returned an error."""
+
+
+class ModelDown(ModelError):
+    """The model's stub died: calls to it fail at once from now on (reported once where it is detected)."""
 
 
 class DraftError(ModelError):
@@ -121,12 +127,11 @@ class SpeculativeDecoder:
     """Runs text requests against the target (and draft) models; see the module docstring."""
 
     def __init__(self, settings: BlsSettings, client: ModelClient, metrics: SpecMetricsSink,
-                 log_warning: Callable[[str], None] = print, log_info: Callable[[str], None] = print):
+                 log_warning: Callable[[str], None] = print):
         self.settings = settings
         self.client = client
         self.metrics = metrics
         self.log_warning = log_warning
-        self.log_info = log_info
         # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
         self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
 
@@ -143,11 +148,15 @@ class SpeculativeDecoder:
         return req.num_draft_tokens > 0 and req.max_tokens >= self.settings.min_new_tokens_for_speculation
 
     async def generate(self, req: TextRequest, cancelled: Callable[[], bool]) -> AsyncIterator[Chunk]:
-        """Yield token chunks for one request; the last has final=True and the request's stats."""
+        """Yield token chunks for one request; the last has final=True and the request's stats.
+
+        Raises Stopped when `cancelled()` turned true before the request finished.
+        """
         self.check_limits(req)
         stats = RequestStats()
         generated: list[int] = []
         speculate = self.speculates(req)
+        finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             if not speculate or remaining == 1:
@@ -158,11 +167,13 @@ class SpeculativeDecoder:
                         yield Chunk(out.tokens[:keep], target=out.head(keep))
                     if reason:
                         break
+                finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
             try:
                 out, proposed, accepted, stopped = await self._round(req, generated, min(req.num_draft_tokens, remaining - 1))
             except DraftError as exc:
-                self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
+                if not isinstance(exc.__cause__, ModelDown):  # a dead draft is logged once, not per request
+                    self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
                 self.metrics.fallback()
                 stats.fell_back, speculate = True, False
                 continue
@@ -176,12 +187,13 @@ class SpeculativeDecoder:
             if keep or out.context_logits is not None:
                 yield Chunk(out.tokens[:keep], target=out.head(keep))
             if reason or stopped:
+                finished = True
                 break
             if (stats.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and stats.total_draft_tokens
                     and stats.acceptance_rate < self.settings.min_acceptance_rate):
                 speculate = False
-        if cancelled():
-            self.log_info(f"tensorrt_llm_bls: request cancelled after {len(generated)} of {req.max_tokens} tokens")
+        if not finished and len(generated) < req.max_tokens:
+            raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int,

@@ -1,56 +1,106 @@
 """`ModelClient` over Triton BLS calls: how tensorrt_llm_bls talks to tensorrt_llm / tensorrt_llm_draft.
 
-With decoupled target and draft models (serving.decoupled) every call is `async_exec(decoupled=True)`; in
-Triton 2.51 that returns a plain (blocking) iterator, which is drained on a thread pool so the
-event loop keeps serving the other requests. With non-decoupled models every call is one unary
-`async_exec()` with one response, as NVIDIA's stock BLS calls them, and a "stream" is that one response.
+With decoupled target and draft models (serving.decoupled) every call is `exec(decoupled=True)`, which
+returns a plain (blocking) iterator; with non-decoupled models every call is one unary `exec()` with one
+response, as NVIDIA's stock BLS calls them, and a "stream" is that one response. Both run on this
+client's thread pool so the event loop keeps serving the other requests.
+
+A model whose python stub died never answers the calls already sent to it (Triton 2.51 keeps them
+waiting forever) and refuses new ones with "Stub process ... is not healthy". That error marks the
+model down: every waiting and later call to it raises ModelDown at once (the BLS then falls back
+from a dead draft, or fails the request for a dead target), and `on_down(model, reason)` reports it
+once (metric, log line). A call with no response for `stall_timeout_s` fails on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving.bls import Generation, ModelError, Returns
+from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
 from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
 
 _DONE = object()
+POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
+DEAD_STUB_MARKER = "is not healthy"  # Triton's error for a call to a model whose python stub died
 
 
 class TritonModelClient:
     """Calls the tensorrt_llm-interface models of this server (see the module docstring)."""
 
-    def __init__(self, decoupled: bool = True, max_concurrent_calls: int = 256):
+    def __init__(self, decoupled: bool, stall_timeout_s: float, on_down: Callable[[str, str], None],
+                 max_concurrent_calls: int = 256):
         self.decoupled = decoupled
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="bls-call")
+        self.stall_timeout_s = stall_timeout_s
+        self.on_down = on_down
+        self.down: dict[str, str] = {}  # model -> why it is down
+
+    def mark_down(self, model: str, reason: str) -> None:
+        """Record that `model` is down (reported once)."""
+        if model not in self.down:
+            self.down[model] = reason
+            self.on_down(model, reason)
+
+    async def _call(self, model: str, fn, *args):
+        """fn(*args) on the pool, awaited with a watch: raises ModelDown when the model is or goes down, and
+        ModelError after stall_timeout_s. A thread stuck on a dead stub is abandoned (it never returns)."""
+        pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        waited = 0.0
+        while True:
+            if model in self.down:
+                raise ModelDown(f"{model} is down ({self.down[model]})")
+            try:
+                return await asyncio.wait_for(asyncio.shield(pending), POLL_S)
+            except asyncio.TimeoutError:
+                waited += POLL_S
+                if waited >= self.stall_timeout_s:
+                    raise ModelError(f"{model}: no response for {self.stall_timeout_s:g} s") from None
 
     def close(self) -> None:
         """Stop the thread pool."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def _checked(self, model: str, response):
+        """The response, or ModelDown / ModelError for an error response."""
+        if response.has_error():
+            message = response.error().message()
+            if DEAD_STUB_MARKER in message:
+                self.mark_down(model, message)
+                raise ModelDown(f"{model}: {message}")
+            raise ModelError(f"{model}: {message}")
+        return response
+
     async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> AsyncIterator:
+        if model in self.down:
+            raise ModelDown(f"{model} is down ({self.down[model]})")
         request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
-        if not self.decoupled:
-            response = await request.async_exec()
-            if response.has_error():
-                raise ModelError(f"{model}: {response.error().message()}")
-            yield response
+        # Not async_exec: in 2.51 it runs exec() on the event loop's default executor (a few threads), which
+        # calls to a dead stub block for good, and then every other call queues behind them.
+        try:
+            answer = await self._call(model, functools.partial(request.exec, decoupled=self.decoupled))
+        except ModelError:
+            raise
+        except Exception as exc:
+            if DEAD_STUB_MARKER in str(exc):
+                self.mark_down(model, str(exc))
+                raise ModelDown(f"{model}: {exc}") from None
+            raise
+        if not self.decoupled:  # one unary response
+            yield self._checked(model, answer)
             return
-        iterator = await request.async_exec(decoupled=True)
-        loop = asyncio.get_running_loop()
         while True:
-            response = await loop.run_in_executor(self.pool, next, iterator, _DONE)
+            response = await self._call(model, next, answer, _DONE)
             if response is _DONE:
                 return
-            if response.has_error():
-                raise ModelError(f"{model}: {response.error().message()}")
-            yield response
+            yield self._checked(model, response)
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,

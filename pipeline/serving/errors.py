@@ -1,4 +1,4 @@
-"""The one error a bad request raises in the serving layer (imports nothing)."""
+"""The errors that end a request early in the serving layer (imports nothing); each becomes an error response."""
 
 
 class RequestError(ValueError):
@@ -8,3 +8,11 @@ class RequestError(ValueError):
     def __init__(self, field_name: str, problem: str, fix: str):
         self.field, self.problem, self.fix = field_name, problem, fix
         super().__init__(f"{field_name}: {problem}; fix: {fix}")
+
+
+class Unavailable(RuntimeError):
+    """The server is shutting down (UNAVAILABLE): the client should retry on another replica."""
+
+
+class Stopped(Exception):
+    """The request was stopped before it finished: its client left, or the server's drain budget ran out."""

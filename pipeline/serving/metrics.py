@@ -10,16 +10,17 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
                             DRAFT_TOKENS_METRIC, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, FALLBACKS_METRIC,
-                            ROUNDS_METRIC)
-
+                            IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
 
 
 class SpecMetrics:
-    """Counters and the acceptance-length histogram for one model (implements bls.SpecMetricsSink)."""
+    """Counters, the acceptance-length histogram, whether each called model is up and the requests in flight,
+    for one model (implements bls.SpecMetricsSink)."""
 
-    def __init__(self, model: str, max_draft_len: int):
+    def __init__(self, model: str, max_draft_len: int, callees: list[str]):
         labels = {"model": model}
         counter, histogram = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
+        gauge = pb_utils.MetricFamily.GAUGE
         self.families = {
             DRAFT_TOKENS_METRIC: pb_utils.MetricFamily(DRAFT_TOKENS_METRIC, "Draft tokens proposed for verification", counter),
             ACCEPTED_TOKENS_METRIC: pb_utils.MetricFamily(ACCEPTED_TOKENS_METRIC, "Draft tokens the target accepted", counter),
@@ -30,11 +31,19 @@ class SpecMetrics:
             ROUNDS_METRIC: pb_utils.MetricFamily(ROUNDS_METRIC, "Speculative rounds (propose + verify)", counter),
             FALLBACKS_METRIC: pb_utils.MetricFamily(
                 FALLBACKS_METRIC, "Requests that fell back to the target alone after a draft failure", counter),
+            MODEL_UP_METRIC: pb_utils.MetricFamily(
+                MODEL_UP_METRIC, "1 while the model this BLS calls (callee) answers, 0 once its stub died", gauge),
+            IN_FLIGHT_METRIC: pb_utils.MetricFamily(IN_FLIGHT_METRIC, "Requests this model is serving now", gauge),
         }
         self.draft_tokens = self.families[DRAFT_TOKENS_METRIC].Metric(labels=labels)
         self.accepted_tokens = self.families[ACCEPTED_TOKENS_METRIC].Metric(labels=labels)
         self.rounds = self.families[ROUNDS_METRIC].Metric(labels=labels)
         self.fallbacks = self.families[FALLBACKS_METRIC].Metric(labels=labels)
+        self.model_up = {callee: self.families[MODEL_UP_METRIC].Metric(labels={**labels, "callee": callee})
+                         for callee in callees}
+        for metric in self.model_up.values():
+            metric.set(1)
+        self.in_flight = self.families[IN_FLIGHT_METRIC].Metric(labels=labels)
         buckets = [float(b) for b in range(max(max_draft_len, 1) + 1)]
         self.acceptance_length = self.families[ACCEPTANCE_LENGTH_METRIC].Metric(labels=labels, buckets=buckets)
         self.per_position = [self.families[ACCEPTED_PER_POSITION_METRIC].Metric(labels={**labels, "position": str(i + 1)})
@@ -52,6 +61,10 @@ class SpecMetrics:
     def fallback(self) -> None:
         """Count a request that lost its draft model."""
         self.fallbacks.increment(1)
+
+    def down(self, callee: str) -> None:
+        """Record that a called model is down."""
+        self.model_up[callee].set(0)
 
 
 class EngineMetrics:

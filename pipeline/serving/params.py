@@ -6,6 +6,7 @@ INVALID_ARG error response and keep serving.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,11 @@ def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampl
         frequency_penalty=float(scalar(inputs, "frequency_penalty", 0.0)),
         min_tokens=int(scalar(inputs, "min_tokens", 0)),
     )
+    floats = {names["temperature"]: s.temperature, names["top_p"]: s.top_p, "repetition_penalty": s.repetition_penalty,
+              "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty}
+    for name, value in floats.items():
+        if not math.isfinite(value):  # NaN reaches the sampler as an error, inf as garbage text
+            raise RequestError(name, f"{value} is not a finite number", "send a finite value")
     if s.temperature < 0:
         raise RequestError(names["temperature"], f"{s.temperature} is negative", "use 0 (greedy) or a positive value")
     if s.top_k < 0:
@@ -106,6 +112,7 @@ class BlsSettings:
     min_new_tokens_for_speculation: int = 0
     min_acceptance_rate: float = 0.0
     skip_special_tokens: bool = True
+    stall_timeout_s: float = 60.0  # a model call with no response for this long fails
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "BlsSettings":

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving.errors import RequestError
+from pipeline.serving.errors import RequestError, Stopped, Unavailable
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -37,9 +37,14 @@ def tensors(arrays: dict[str, np.ndarray]) -> list:
 
 
 def error_response(exc: BaseException):
-    """A response carrying the error: INVALID_ARG for request problems, INTERNAL otherwise."""
+    """A response carrying the error: INVALID_ARG for request problems, UNAVAILABLE while shutting down,
+    CANCELLED for a stopped request, INTERNAL otherwise."""
     if isinstance(exc, RequestError):
         err = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+    elif isinstance(exc, Unavailable):
+        err = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
+    elif isinstance(exc, Stopped):
+        err = pb_utils.TritonError(f"cancelled: {exc}", pb_utils.TritonError.CANCELLED)
     else:
         err = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
     return pb_utils.InferenceResponse(output_tensors=[], error=err)

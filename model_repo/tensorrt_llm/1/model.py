@@ -17,7 +17,7 @@ from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
 from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine
 from pipeline.serving.metrics import EngineMetrics
-from pipeline.serving.errors import RequestError
+from pipeline.serving.errors import RequestError, Stopped
 
 CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client went away
 
@@ -86,6 +86,11 @@ class TritonPythonModel:
                     continue
                 if out.error:
                     triton_io.send_final_error(sender, RuntimeError(out.error))
+                    return
+                if out.finish_reason == "cancelled":  # never a short final that looks complete
+                    triton_io.send_final_error(sender, Stopped(
+                        f"{len(builder.tokens) + len(out.new_token_ids)} tokens generated (its client left, "
+                        "or the model is unloading)"))
                     return
                 arrays = builder.add(out)
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0

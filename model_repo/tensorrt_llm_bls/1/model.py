@@ -4,7 +4,9 @@ Decoupled (serving.decoupled) it streams; otherwise every request gets one respo
 and calls the engines unary too, as NVIDIA's stock BLS does with decoupled_mode False.
 
 Every request runs as its own coroutine (pipeline.serving.bls.SpeculativeDecoder), so many
-requests stream concurrently while the target and draft models batch them in flight.
+requests stream concurrently while the target and draft models batch them in flight. A request
+ends early with an explicit error when its client leaves (CANCELLED) or when the server's drain
+budget runs out (UNAVAILABLE); while the server drains, new requests are refused (UNAVAILABLE).
 """
 
 import asyncio
@@ -14,7 +16,8 @@ import triton_python_backend_utils as pb_utils
 from pipeline.serving import triton_io
 from pipeline.serving.bls import SpeculativeDecoder, TextResponder
 from pipeline.serving.bls_calls import TritonModelClient
-from pipeline.serving.errors import RequestError
+from pipeline.serving.drain import DrainState
+from pipeline.serving.errors import RequestError, Stopped, Unavailable
 from pipeline.serving.metrics import SpecMetrics
 from pipeline.serving.params import BlsSettings, parse_text_request
 from pipeline.serving.text import load_tokenizer
@@ -22,14 +25,25 @@ from pipeline.serving.text import load_tokenizer
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.name = args["model_name"]
         self.settings = BlsSettings.from_parameters(triton_io.model_parameters(args))
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.tokenizer = load_tokenizer(self.settings.tokenizer_dir)
+        callees = [m for m in (self.settings.target_model, self.settings.draft_model) if m]
+        self.metrics = SpecMetrics(self.name, self.settings.max_draft_len, callees)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
-        self.client = TritonModelClient(self.decoupled)  # one serving.decoupled for the BLS and the engines
-        self.metrics = SpecMetrics(args["model_name"], self.settings.max_draft_len)
-        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn,
-                                          pb_utils.Logger.log_info)
+        # one serving.decoupled for the BLS and the engines
+        self.client = TritonModelClient(self.decoupled, self.settings.stall_timeout_s, self._model_down)
+        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn)
+        self.drain = DrainState()
+        self.in_flight = 0
+
+    def _model_down(self, model, reason):
+        role = "draft" if model == self.settings.draft_model else "target"
+        after = ("every request runs without speculation from now on" if role == "draft"
+                 else "every request fails until the server restarts")
+        pb_utils.Logger.log_error(f"{self.name}: {role} model {model} is down ({reason}); {after}")
+        self.metrics.down(model)
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -37,6 +51,12 @@ class TritonPythonModel:
 
     async def _serve(self, request):
         sender = request.get_response_sender()
+        if not self.drain.admits():
+            triton_io.send_final_error(sender, Unavailable(
+                f"{self.name}: the server is shutting down and takes no new requests; send it to another replica"))
+            return
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
         try:
             inputs = triton_io.request_inputs(request, self.input_names)
             req = parse_text_request(inputs, self.settings, self.tokenizer)
@@ -45,14 +65,25 @@ class TritonPythonModel:
                                    "send stream false, or set serving.decoupled: true")
             prompt_text = inputs["text_input"].reshape(-1)[0].decode("utf-8")
             responder = TextResponder(req, prompt_text, self.tokenizer, self.settings.skip_special_tokens)
-            async for chunk in self.decoder.generate(req, request.is_cancelled):
+            stop = lambda: request.is_cancelled() or self.drain.aborting()  # noqa: E731
+            async for chunk in self.decoder.generate(req, stop):
                 arrays = responder.on_chunk(chunk)
                 if arrays is not None:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
                     sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
+        except Stopped as exc:
+            if request.is_cancelled():
+                pb_utils.Logger.log_info(f"{self.name}: request cancelled by its client, {exc}")
+                triton_io.send_final_error(sender, exc)
+            else:
+                triton_io.send_final_error(sender, Unavailable(
+                    f"{self.name}: the server shut down before this request finished ({exc}); retry it"))
         except Exception as exc:  # every error path closes the request, or its client waits forever
             if not request.is_cancelled():
                 triton_io.send_final_error(sender, exc)
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
 
     def finalize(self):
         self.client.close()
