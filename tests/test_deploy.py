@@ -397,7 +397,7 @@ def test_server_probes_startup_budget_and_draining(rendered, case):
     assert triton["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     # readiness, liveness and preStop run our lifecycle commands (Triton's endpoints miss a dead stub and the drain)
     spec_args = [str(deploy.FILES_MOUNT / "spec.yaml"), "--repo", d.model_repo]
-    python = "python3" if d.toolchain == "trtllm" else "python"
+    python = "python3" if toolchain_traits(d.toolchain).gpu else "python"  # NVIDIA's images have no `python`
     assert triton["readinessProbe"]["exec"]["command"] == [python, "-m", "pipeline", "health", *spec_args]
     assert triton["livenessProbe"]["exec"]["command"] == [python, "-m", "pipeline", "health", "--live", *spec_args]
     for probe in ("readinessProbe", "livenessProbe"):
