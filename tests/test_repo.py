@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -127,6 +128,8 @@ def test_launch_script_matches_launcher_contract(trtllm_repo):
     assert stack.TRITON_IMAGE in script
     assert str(spec.out_dir / "trtllm" / "engines" / "draft" / "config.json") in script
     assert "pip install" not in script  # offline: nothing is fetched at launch
+    # tritonserver's exit timeout after SIGTERM is the spec's drain budget (docs/reliability.md)
+    assert f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{math.ceil(spec.serving.drain_timeout_s)}}}"' in script
 
 
 FAKE_TRITONSERVER = """#!/usr/bin/env bash

@@ -15,6 +15,7 @@ working directory (the backend stub puts it on sys.path), so an air-gapped GPU n
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -25,8 +26,6 @@ from pipeline.spec import Spec
 
 # The launcher's --tritonserver default: the server binary inside the image.
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
-# Seconds tritonserver waits for in-flight requests after SIGTERM (--exit-timeout-secs); EXIT_TIMEOUT_SECS overrides.
-DEFAULT_EXIT_TIMEOUT_S = 30
 # What launch_triton_server.py --multi-model sets: each tensorrt_llm model spawns its own executor worker.
 ORCHESTRATOR_ENV = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
 
@@ -63,9 +62,10 @@ def render_launch_script(spec: Spec, repo: Path) -> str:
         f"#     -v {q(str(project))}:{q(str(project))} -v {q(str(spec.out_dir))}:{q(str(spec.out_dir))} "
         f"-v {q(str(tokenizer))}:{q(str(tokenizer))} {stack.TRITON_IMAGE} bash {q(str(repo.parent / 'launch_triton.sh'))}",
         "# It stays in the foreground until tritonserver exits and forwards SIGTERM/SIGINT to it; tritonserver then",
-        "# waits up to EXIT_TIMEOUT_SECS for in-flight requests. TRITONSERVER overrides the server binary.",
+        "# waits up to EXIT_TIMEOUT_SECS (default: the spec's serving.drain_timeout_s) for in-flight requests.",
+        "# TRITONSERVER overrides the server binary.",
         "set -euo pipefail",
-        f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{DEFAULT_EXIT_TIMEOUT_S}}}"',
+        f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{math.ceil(spec.serving.drain_timeout_s)}}}"',
         f'TRITONSERVER="${{TRITONSERVER:-{TRITONSERVER}}}"',
         "",
         "# The engines come from the generated build script (python -m pipeline plan SPEC --dry-run).",
