@@ -17,6 +17,7 @@ from pipeline.reference.engine import LLMEngine, Request
 from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
+from tests.test_speculative import prompts
 
 MAX_NEW = 12
 SPEC = """\
@@ -100,16 +101,6 @@ def test_int8_engines_load_int8_kernels(int8_engines, qformat, kernel_cls):
     fp32_body = sum(dense[k].numel() * 4 for k in dense if k.startswith("model.layers.") and k.endswith("_proj.weight"))
     int8_body = sum(lyr[k].nbytes for lyr in engine.model.layers for k in ("qkv", "o", "gate_up", "down"))
     assert int8_body < 0.3 * fp32_body  # int8 weights + per-channel scales: about a quarter of the fp32 bytes
-
-
-def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
-    """n prompts of 4..25 tokens, each with a repeated stretch for prompt lookup."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        head = torch.randint(3, 512, (4 + 3 * i,), generator=g).tolist()
-        out.append(head + head[: 2 + i % 3])
-    return out
 
 
 def generate(engine_dir, requests, proposer=None, stagger=False):
