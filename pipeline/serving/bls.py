@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable, Protocol
 import numpy as np
 
 from pipeline.modes import traits
+from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, role_seed
 from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
 from pipeline.serving.errors import RequestError
 from pipeline.serving.params import BlsSettings, TextRequest
@@ -170,7 +171,7 @@ class SpeculativeDecoder:
             chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
             got = 0
             async for new in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
-                                                _round_seed(req, len(generated))):
+                                                role_seed(req.sampling.seed, ROLE_TARGET)):
                 got += len(new)
                 yield new  # the caller appends it to `generated`
             done += got
@@ -180,13 +181,16 @@ class SpeculativeDecoder:
     async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[list[int], int, int, bool]:
         """One propose + verify round: (new tokens, proposed, accepted, whether the target stopped early)."""
         seq = req.prompt_ids + generated
-        seed = _round_seed(req, len(generated))
+        # One seed per role, never per round: the engines key each token's randomness by its sequence
+        # position (pipeline/seeds.py), so rounds never replay a stream and K changes nothing.
+        seed = role_seed(req.sampling.seed, ROLE_TARGET)
         draft_logits = None
         if self.ngram is not None:
             draft = ngram_lookup(seq, k, *self.ngram)
         else:
             try:
-                proposal = await self.client.generate(self.settings.draft_model, seq, k, req, seed,
+                proposal = await self.client.generate(self.settings.draft_model, seq, k, req,
+                                                      role_seed(req.sampling.seed, ROLE_DRAFT),
                                                       return_logits=req.use_draft_logits)
             except Exception as exc:
                 raise DraftError(f"draft: {exc}") from exc
@@ -201,11 +205,6 @@ class SpeculativeDecoder:
         # The target returns the accepted prefix plus one token of its own; fewer means it hit end_id or a stop word.
         accepted = min(common_prefix_len(draft, out.tokens), len(draft))
         return out.tokens, len(draft), accepted, len(out.tokens) < accepted + 1
-
-
-def _round_seed(req: TextRequest, offset: int) -> int | None:
-    """A fresh seed per call so rounds do not replay the same random stream."""
-    return None if req.sampling.seed is None else req.sampling.seed + offset
 
 
 class TextResponder:
