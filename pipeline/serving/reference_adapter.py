@@ -65,6 +65,20 @@ def _words(inputs: dict[str, np.ndarray], name: str) -> list[list[int]]:
     return from_word_list_format(arr.reshape(-1, 2, arr.shape[-1])[0])
 
 
+def _refuse_unsupported_sampling(inputs: dict[str, np.ndarray]) -> None:
+    """Sampling inputs of the tensorrtllm backend that would change tokens and are not implemented here."""
+    decay, reset = scalar(inputs, "runtime_top_p_decay"), scalar(inputs, "runtime_top_p_reset_ids")
+    if decay is not None and float(decay) != 1.0:
+        raise RequestError("runtime_top_p_decay", f"{decay}: top-p decay is not implemented by the reference engine",
+                           "send 1.0 or leave it out")
+    if reset is not None and int(reset) != -1:
+        raise RequestError("runtime_top_p_reset_ids", f"{reset}: top-p decay is not implemented by the reference engine",
+                           "send -1 or leave it out")
+    if "draft_acceptance_threshold" in inputs:
+        raise RequestError("draft_acceptance_threshold", "a constant acceptance threshold is not implemented (nor "
+                           "lossless); draft logits are verified by rejection sampling", "leave it out")
+
+
 def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input_default: bool,
                    vocab_size: int) -> tuple[Request, ResponseOptions]:
     """Validate tensorrt_llm inputs and build the engine request; raises RequestError."""
@@ -91,9 +105,12 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
     if max_new is None or int(max_new) < 1:
         raise RequestError("request_output_len", f"{max_new} is not a positive count", "ask for at least 1 token")
     s = read_sampling(inputs, ENGINE_SAMPLING_NAMES)
+    _refuse_unsupported_sampling(inputs)
     end_id = scalar(inputs, "end_id")
+    if end_id is not None and int(end_id) == -1:  # TensorRT-LLM accepts end_id -1: no end token
+        end_id = None
     sampling = SamplingParams(
-        temperature=0.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+        temperature=0.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.nucleus, seed=s.seed,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, min_length=s.min_tokens,
         end_id=None if end_id is None else int(end_id),
