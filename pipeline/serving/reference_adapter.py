@@ -79,6 +79,11 @@ def _refuse_unsupported_sampling(inputs: dict[str, np.ndarray]) -> None:
                            "lossless); draft logits are verified by rejection sampling", "leave it out")
 
 
+def stop_requested(inputs: dict[str, np.ndarray]) -> bool:
+    """True for NVIDIA's stop request (`stop` input true): it names a running request to stop, nothing to generate."""
+    return _flag(inputs, "stop")
+
+
 def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input_default: bool,
                    vocab_size: int) -> tuple[Request, ResponseOptions]:
     """Validate tensorrt_llm inputs and build the engine request; raises RequestError."""

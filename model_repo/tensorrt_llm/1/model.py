@@ -1,6 +1,10 @@
 """Triton model `tensorrt_llm` / `tensorrt_llm_draft` (reference toolchain): the tensorrtllm backend's
 interface over the reference engine. Decoupled: an EngineRunner thread steps the engine, so every
 concurrent request (plain, or verifying external draft tokens) is batched in flight.
+
+A request whose `stop` input is true stops the running requests that carry its Triton request id and
+gets one empty final response, as the tensorrtllm backend's handleStopRequest does
+(inflight_batcher_llm/src/model_instance_state.cc); a stopped request ends with the tokens it has.
 """
 
 import queue
@@ -12,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine
+from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine, stop_requested
 from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.errors import RequestError
 
@@ -29,14 +33,22 @@ class TritonPythonModel:
         self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine)
+        self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
+        self.running_lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
                 inputs = triton_io.request_inputs(request, self.input_names)
+                if stop_requested(inputs):
+                    self._stop(request.request_id(), sender)
+                    continue
                 engine_req, options = engine_request(inputs, uuid.uuid4().hex, self.exclude_input, self.vocab_size)
                 outputs = self.runner.submit(engine_req)
+                if request.request_id():
+                    with self.running_lock:
+                        self.running.setdefault(request.request_id(), set()).add(engine_req.request_id)
             except EngineInputError as exc:
                 triton_io.send_final_error(sender, RequestError(exc.field, "invalid", exc.fix))
                 continue
@@ -47,6 +59,25 @@ class TritonPythonModel:
             threading.Thread(target=self._respond, args=(request, sender, engine_req.request_id, outputs, builder),
                              daemon=True).start()
         return None
+
+    def _stop(self, triton_id: str, sender) -> None:
+        """Stop every running request with this Triton request id; answer with an empty final response."""
+        if not triton_id:
+            raise RequestError("stop", "needs the request id of the request to stop",
+                               "send the stop request with the same request id (gRPC/HTTP `id`)")
+        with self.running_lock:
+            engine_ids = list(self.running.get(triton_id, ()))
+        for engine_id in engine_ids:  # an unknown id is no error: the request may have finished already
+            self.runner.cancel(engine_id)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _forget(self, triton_id: str, request_id: str) -> None:
+        with self.running_lock:
+            ids = self.running.get(triton_id)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self.running[triton_id]
 
     def _respond(self, request, sender, request_id, outputs, builder):
         """Forward the engine's outputs of one request to its client until it finishes."""
@@ -71,6 +102,8 @@ class TritonPythonModel:
                     return
         except Exception as exc:
             triton_io.send_final_error(sender, exc)
+        finally:
+            self._forget(request.request_id(), request_id)
 
     def finalize(self):
         self.runner.close()
