@@ -211,13 +211,16 @@ class TextResponder:
     """Turns one request's token chunks into response arrays (NVIDIA's BLS output names).
 
     Streaming requests get a text delta per chunk (never a split multi-byte character) and a final
-    response carrying the counters; non-streaming requests get one final response.
+    response carrying the counters; non-streaming requests get one final response. As in NVIDIA's
+    backend, only a non-streaming response starts with the prompt (exclude_input_in_output false):
+    streamed responses carry generated text only.
     """
 
     def __init__(self, req: TextRequest, prompt_text: str, tokenizer, skip_special_tokens: bool):
         self.req = req
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.pending = "" if req.exclude_input_in_output else prompt_text  # text not sent yet
+        with_prompt = not req.exclude_input_in_output and not req.stream
+        self.pending = prompt_text if with_prompt else ""  # text not sent yet
         self.num_tokens = 0
 
     def on_chunk(self, chunk: Chunk) -> dict[str, np.ndarray] | None:

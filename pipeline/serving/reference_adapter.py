@@ -199,7 +199,6 @@ class ResponseBuilder:
         self.options = options
         self.tokens: list[int] = []
         self.logits: list[torch.Tensor] = []
-        self.sent_prompt = False
 
     def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """Arrays to send for this output, or None (non-streaming and not finished yet, or nothing new)."""
@@ -216,9 +215,10 @@ class ResponseBuilder:
 
     def _arrays(self, new_ids: list[int], logits: list[torch.Tensor], out: RequestOutput) -> dict[str, np.ndarray]:
         ids = list(new_ids)
-        if not self.options.exclude_input_in_output and not self.sent_prompt:
+        # As TensorRT-LLM (batch_manager/llmRequest.cpp, createResult): a streamed response carries only
+        # new tokens, so exclude_input_in_output matters for the one non-streaming response alone.
+        if not self.options.exclude_input_in_output and not self.options.streaming:
             ids = self.prompt_ids + ids
-        self.sent_prompt = True
         arrays = {
             "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beams, n]
             "sequence_length": np.array([[len(ids)]], dtype=np.int32),  # [batch, beams]
