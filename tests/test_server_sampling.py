@@ -157,10 +157,12 @@ def speculating_server(tmp_path_factory, derived_pair):
         yield server
 
 
-def sampled_texts(server, prompt: str, seeds: range) -> list[str]:
+def sampled_texts(server, prompt: str, seeds: range, per_stream: int = 250) -> list[str]:
+    """One two-token text per seed; at most `per_stream` requests in flight at once."""
     requests = [bls_request(prompt, 2, num_draft_tokens=1, use_draft_logits=True, temperature=TEMPERATURE,
                             top_p=1.0, seed=s) for s in seeds]
-    return [joined_text(r) for r in stream_requests(server.grpc_url, "tensorrt_llm_bls", requests, timeout=600)]
+    return [joined_text(r) for i in range(0, len(requests), per_stream)
+            for r in stream_requests(server.grpc_url, "tensorrt_llm_bls", requests[i:i + per_stream], timeout=600)]
 
 
 def law_pvalue(texts: list[str], law: dict[str, float]) -> float:
