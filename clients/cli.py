@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--model", default="ensemble", help="ensemble or tensorrt_llm_bls")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float)
+    p.add_argument("--temperature", type=float,
+                   help="samples only with --top-k or --top-p (NVIDIA's rule: neither set decodes greedily)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)

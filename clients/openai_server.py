@@ -218,8 +218,13 @@ class Frontend:
         """The Triton request for one prompt. User stop strings stay here (matched on text); the chat template's
         end-of-turn markers go to the server as stop words."""
         greedy_top_p = body.top_p == 0  # OpenAI's top_p 0 keeps only the most likely token
+        # NVIDIA's backend decodes greedily when neither top_k nor top_p is set, whatever the temperature;
+        # OpenAI's top_p defaults to 1, so a temperature > 0 alone samples from the whole distribution.
+        top_p = body.top_p
+        if top_p is None and body.top_k is None and body.temperature:
+            top_p = 1.0
         sampling = SamplingParams(temperature=0.0 if greedy_top_p else body.temperature, top_k=body.top_k,
-                                  top_p=None if greedy_top_p else body.top_p, seed=body.seed,
+                                  top_p=None if greedy_top_p else top_p, seed=body.seed,
                                   repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                                   frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens)
         top = body.num_top_logprobs

@@ -29,8 +29,9 @@ from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.reference.rejection_sampler import DraftToVerify, verify
-from pipeline.reference.sampling import SamplingParams, make_generator, probabilities, process_logits
+from pipeline.reference.sampling import SamplingParams, position_generator, probabilities, process_logits, request_seed
 from pipeline.reference.tree import chain_parents, node_depths, path_to
+from pipeline.seeds import ROLE_PROPOSER, derive_seed
 from pipeline.sequences import find_stop
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
@@ -114,7 +115,8 @@ class _Sequence:
 
     request: Request
     tokens: list[int]  # prompt + committed generated tokens
-    generator: torch.Generator
+    seed: int  # the token at sequence index i is drawn from position_generator(seed, i)
+    generator: torch.Generator  # the in-engine proposer's stream (derive_seed(seed, ROLE_PROPOSER))
     blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     num_computed: int = 0  # leading tokens whose KV is in the cache
     prefilled: bool = False  # the prompt is fully computed and at least one token generated
@@ -195,7 +197,9 @@ class LLMEngine:
         if any(s.request.request_id == request.request_id for s in (*self.waiting, *self.running)):
             raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
         self.validate(request)
-        self.waiting.append(_Sequence(request=request, tokens=list(request.prompt_ids), generator=make_generator(request.sampling),
+        seed = request_seed(request.sampling)
+        self.waiting.append(_Sequence(request=request, tokens=list(request.prompt_ids), seed=seed,
+                                      generator=torch.Generator().manual_seed(derive_seed(seed, ROLE_PROPOSER)),
                                       context_logits=[] if request.return_context_logits else None))
 
     def cancel(self, request_id: str) -> bool:
@@ -414,8 +418,10 @@ class LLMEngine:
                     for r in range(len(draft.token_ids) + 1)]  # row r: root (r = 0) or node r - 1
         processed = process_logits(logits, contexts, seq.num_prompt, req.sampling)  # [rows, vocab]
         p = None if req.sampling.greedy else probabilities(processed, req.sampling)
+        positions = [len(c) for c in contexts]  # row r samples the token at sequence index positions[r]
         verdict = verify(processed, [DraftToVerify(draft.token_ids, draft.parents, sched.draft_probs, req.sampling.greedy,
-                                                    seq.generator)], p)[0]
+                                                    row_generator=lambda r: position_generator(seq.seed, positions[r]))],
+                         p)[0]
         # KV: the root and the accepted path are valid; move a tree path next to the root
         path_slots = [root_index + 1 + j for j in verdict.accepted_nodes]
         wanted_slots = list(range(root_index + 1, root_index + 1 + verdict.num_accepted))

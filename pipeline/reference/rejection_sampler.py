@@ -24,17 +24,23 @@ p <- norm(max(p - q, 0)); when no child is accepted the recovered token is sampl
 residual, and at a leaf the bonus token is sampled from p. For a chain this is the speculative
 sampling of Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"
 (arXiv:2211.17192), and Chen et al. 2023, "Accelerating Large Language Model Decoding with
-Speculative Sampling" (arXiv:2302.01318): the output tokens follow p exactly. Drafts without q
-(n-gram, Medusa and EAGLE top-k trees) are deterministic: q is one-hot on the draft token, so
-accept with p(x) and the residual is p with x removed (the multi-candidate form of SpecInfer, Miao
-et al. 2024), still exact. Tree nodes that carry q must have been sampled independently from q.
+Speculative Sampling" (arXiv:2302.01318): the output tokens follow p exactly. Tree nodes that
+carry q must have been sampled independently from q.
+Drafts without q (n-gram, a draft model's tokens sent without logits, Medusa and EAGLE top-k trees)
+are deterministic: the target draws its own token t from p, exactly as plain decoding does, and the
+child whose token is t is accepted; when there is none, t is the recovered token. That is the
+one-hot-q case of the rule above (accept x with p(x), residual p without x: the multi-candidate form
+of SpecInfer, Miao et al. 2024) and TensorRT-LLM's token matching for external draft tokens; with
+the same random numbers it yields exactly the tokens plain sampling would.
 
-Randomness comes from a per-request torch.Generator, so a seeded request gives the same tokens
-whatever else is in the batch.
+Randomness: each row draws from its own torch.Generator (`DraftToVerify.row_generator`; the engine
+keys it by the row's sequence position, see pipeline/seeds.py), so a seeded request gives the same
+tokens whatever else is in the batch and however its tokens were split into steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,11 +75,16 @@ class DraftToVerify:
     parents: list[int] | None = None  # N parent indices (-1 = root); None = a chain
     probs: torch.Tensor | None = None  # [N, vocab] q: node j's token was drawn from probs[j]; None = deterministic
     greedy: bool = True  # temperature 0: verify against the target's argmax
-    generator: torch.Generator | None = None  # this request's randomness (None: torch's global generator)
+    generator: torch.Generator | None = None  # one stream for every row (None: torch's global generator)
+    row_generator: Callable[[int], torch.Generator] | None = None  # row (0 = root) -> its own stream; wins
 
     def node_parents(self) -> list[int]:
         """Parent indices, for chains too."""
         return list(self.parents) if self.parents is not None else chain_parents(len(self.token_ids))
+
+    def rng(self, row: int) -> torch.Generator | None:
+        """The random stream of target row `row`."""
+        return self.row_generator(row) if self.row_generator is not None else self.generator
 
 
 def verify(target_logits: torch.Tensor, drafts: list[DraftToVerify], target_probs: torch.Tensor | None = None) -> list[Verdict]:
@@ -124,34 +135,33 @@ def _verify_sampled(draft: DraftToVerify, p_rows: torch.Tensor) -> Verdict:
     children: dict[int, list[int]] = {}
     for j, parent in enumerate(parents):
         children.setdefault(parent, []).append(j)
-    gen = draft.generator
     node, path = -1, []
-    p = p_rows[0].float()  # [vocab] p after the root
     while True:
-        accepted = None
-        for child in children.get(node, []):
-            x = draft.token_ids[child]
-            q = draft.probs[child].float() if draft.probs is not None else None  # [vocab] q the token came from
-            q_x = float(q[x]) if q is not None else 1.0
-            if float(torch.rand((), generator=gen)) * q_x < float(p[x]):  # accept with probability min(1, p(x) / q(x))
-                accepted = child
-                break
-            p = _residual(p, x, q)  # the next sibling is tested against norm(max(p - q, 0))
-        if accepted is None:  # recovered token from the residual, or bonus token from p at a leaf
+        gen = draft.rng(node + 1)
+        p = p_rows[node + 1].float()  # [vocab] p after the current node (row 0: the root)
+        kids = children.get(node, [])
+        if draft.probs is None:  # deterministic draft: the target's own sample picks the child
             token = int(torch.multinomial(p, 1, generator=gen))
+            accepted = next((c for c in kids if draft.token_ids[c] == token), None)
+        else:
+            accepted, token = None, None
+            for child in kids:
+                x, q = draft.token_ids[child], draft.probs[child].float()  # q [vocab]: what x was drawn from
+                if float(torch.rand((), generator=gen)) * float(q[x]) < float(p[x]):  # min(1, p(x) / q(x))
+                    accepted = child
+                    break
+                p = _residual(p, q)  # the next sibling is tested against norm(max(p - q, 0))
+            if accepted is None:
+                token = int(torch.multinomial(p, 1, generator=gen))
+        if accepted is None:  # recovered token (from the residual), or bonus token (from p) at a leaf
             return Verdict(token_ids=[draft.token_ids[j] for j in path] + [token], accepted_nodes=path,
-                           bonus=node not in children)
+                           bonus=not kids)
         node = accepted
         path.append(node)
-        p = p_rows[node + 1].float()  # [vocab] p after the accepted node
 
 
-def _residual(p: torch.Tensor, x: int, q: torch.Tensor | None) -> torch.Tensor:
-    """norm(max(p - q, 0)) for p, q [vocab]; q None means one-hot on x (p with x removed)."""
-    if q is None:
-        residual = p.clone()
-        residual[x] = 0.0
-    else:
-        residual = torch.clamp(p - q, min=0.0)
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) for p, q [vocab]."""
+    residual = torch.clamp(p - q, min=0.0)
     total = float(residual.sum())
     return residual / total if total > 0 else p  # total 0 only when p == q up to rounding

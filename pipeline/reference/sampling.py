@@ -1,10 +1,16 @@
 """Per-request sampling parameters and logits processing.
 
-Order, as in TensorRT-LLM's sampler: raw logits -> penalties (repetition over prompt + output,
-presence / frequency over the output), bad words and min_length bans -> (greedy: argmax) ->
-temperature -> top_k -> top_p -> p. Every row is processed with its own context, so a draft row k
-tokens ahead is penalised exactly as plain decoding would penalise it k steps later.
-Randomness comes from a per-request torch.Generator seeded by `seed`.
+Order: raw logits -> penalties, bad words and min_length bans -> (greedy: argmax) -> temperature
+-> top_k -> top_p -> p. Repetition, presence and frequency penalties count every token of the
+sequence, prompt included, as TensorRT-LLM's penalty kernel does (cpp/tensorrt_llm/kernels/
+penaltyKernels.cu counts the input tokens in the context phase, then each generated token). So a
+call whose input_ids are prompt + generated tokens (BLS rounds, plain chunks) penalises exactly as
+one long call would. Every row is processed with its own context, so a draft row k tokens ahead is
+penalised exactly as plain decoding would penalise it k steps later. (TensorRT-LLM subtracts the
+presence / frequency penalties after dividing by the temperature; here they are subtracted before.)
+Randomness: the token at sequence position i comes from `position_generator(seed, i)` only (see
+pipeline/seeds.py), so a seeded request's tokens do not depend on batching or on how it is split
+into calls.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
+from pipeline.seeds import SEED_BITS, derive_seed
 
 
 @dataclass
@@ -24,8 +32,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     repetition_penalty: float = 1.0  # over prompt and output tokens: logit / r if > 0 else logit * r
-    presence_penalty: float = 0.0  # subtracted once from every token already in the output
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once from every token already in the sequence
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the sequence
     min_length: int = 0  # end_id is banned until this many tokens are generated
     end_id: int | None = None
     stop_words: list[list[int]] = field(default_factory=list)  # generation stops after any of these sequences
@@ -58,9 +66,14 @@ class SamplingParams:
         return out
 
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """The request's own random stream: seeded by params.seed, else from a fresh random seed."""
-    return torch.Generator().manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+def request_seed(params: SamplingParams) -> int:
+    """The seed every random stream of a request derives from: params.seed, else a fresh random one."""
+    return int(params.seed) if params.seed is not None else random.getrandbits(SEED_BITS)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The random stream that picks the token at sequence index `position` (prompt tokens included)."""
+    return torch.Generator().manual_seed(derive_seed(seed, "pos", position))
 
 
 def process_logits(logits: torch.Tensor, contexts: list[list[int]], num_prompt: int, params: SamplingParams) -> torch.Tensor:
@@ -75,8 +88,8 @@ def process_logits(logits: torch.Tensor, contexts: list[list[int]], num_prompt: 
             seen = torch.tensor(sorted(set(context)), dtype=torch.long)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-        if (params.presence_penalty or params.frequency_penalty) and generated:
-            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+        if (params.presence_penalty or params.frequency_penalty) and context:
+            ids, counts = torch.tensor(context, dtype=torch.long).unique(return_counts=True)
             row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
         if params.end_id is not None and len(generated) < params.min_length:
             row[params.end_id] = float("-inf")

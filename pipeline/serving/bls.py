@@ -29,6 +29,7 @@ from typing import AsyncIterator, Callable, Protocol
 import numpy as np
 
 from pipeline.modes import traits
+from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, role_seed
 from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
 from pipeline.serving.errors import RequestError, Stopped
 from pipeline.serving.params import BlsSettings, TextRequest
@@ -203,7 +204,7 @@ class SpeculativeDecoder:
             chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
             got = 0
             async for out in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
-                                                _round_seed(req, len(generated)), _target_returns(req, generated)):
+                                                role_seed(req.sampling.seed, ROLE_TARGET), _target_returns(req, generated)):
                 got += len(out.tokens)
                 yield out  # the caller appends its tokens to `generated`
             done += got
@@ -213,13 +214,16 @@ class SpeculativeDecoder:
     async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[Generation, int, int, bool]:
         """One propose + verify round: (the target's new tokens, proposed, accepted, whether it stopped early)."""
         seq = req.prompt_ids + generated
-        seed = _round_seed(req, len(generated))
+        # One seed per role, never per round: the engines key each token's randomness by its sequence
+        # position (pipeline/seeds.py), so rounds never replay a stream and K changes nothing.
+        seed = role_seed(req.sampling.seed, ROLE_TARGET)
         draft_logits = None
         if self.ngram is not None:
             draft = ngram_lookup(seq, k, *self.ngram)
         else:
             try:
-                proposal = await self.client.generate(self.settings.draft_model, seq, k, req, seed,
+                proposal = await self.client.generate(self.settings.draft_model, seq, k, req,
+                                                      role_seed(req.sampling.seed, ROLE_DRAFT),
                                                       returns=Returns(generation_logits=req.use_draft_logits))
             except Exception as exc:
                 raise DraftError(f"draft: {exc}") from exc
@@ -244,11 +248,6 @@ def _target_returns(req: TextRequest, generated: list[int]) -> Returns:
                    context_logits=req.return_context_logits and not generated)
 
 
-def _round_seed(req: TextRequest, offset: int) -> int | None:
-    """A fresh seed per call so rounds do not replay the same random stream."""
-    return None if req.sampling.seed is None else req.sampling.seed + offset
-
-
 class TextResponder:
     """Turns one request's token chunks into response arrays (NVIDIA's BLS output names).
 
@@ -257,13 +256,16 @@ class TextResponder:
     also carries `output_ids`, the token ids behind its text (our extension: clients align
     log-probabilities with tokens by them), the target's output_log_probs / cum_log_probs /
     generation_logits / context_logits when the request asks for them, and the token counts so far
-    when return_num_input_tokens / return_num_output_tokens are set.
+    when return_num_input_tokens / return_num_output_tokens are set. As in NVIDIA's backend, only a
+    non-streaming response starts with the prompt (exclude_input_in_output false): streamed responses
+    carry generated text only.
     """
 
     def __init__(self, req: TextRequest, prompt_text: str, tokenizer, skip_special_tokens: bool):
         self.req = req
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.pending = "" if req.exclude_input_in_output else prompt_text  # text not sent yet
+        with_prompt = not req.exclude_input_in_output and not req.stream
+        self.pending = prompt_text if with_prompt else ""  # text not sent yet
         self.unsent: list[Chunk] = []  # chunks whose tokens went into `pending`
         self.num_tokens = 0
         self.cum_log_prob = 0.0

@@ -33,11 +33,18 @@ def _flag(value) -> bool:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling parameters, shared by every model call of a request."""
+    """Sampling parameters, shared by every model call of a request, regularized as NVIDIA's backend does.
 
-    temperature: float = 0.0  # 0 (or top_k == 1) = greedy
-    top_k: int = 0
-    top_p: float = 1.0
+    TensorRT-LLM's defaults are temperature 1, top_k 0 and top_p 0 (layers/defaultDecodingParams.h);
+    the tensorrtllm backend drops a runtime_top_p <= 0 (inflight_batcher_llm/src/utils.cc), and the
+    sampling kernels turn top_k 0 with top_p 0 into top_k 1, i.e. greedy, and top_k > 0 with top_p 0
+    into top_p 1 (kernels/samplingTopKKernels.cu, setupTopKRuntimeArgs). So a request that sets no
+    top_k and no top_p decodes greedily whatever its temperature; temperature 0 is greedy too.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = no top-k limit
+    top_p: float = 0.0  # 0 = unset (any value <= 0 is stored as 0)
     seed: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -47,15 +54,20 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         """True when every call picks the argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0 or self.top_k == 1 or (self.top_k == 0 and self.top_p == 0.0)
+
+    @property
+    def nucleus(self) -> float:
+        """The top_p the sampler applies: 1.0 (off) when top_p is unset."""
+        return self.top_p if self.top_p > 0.0 else 1.0
 
 
 def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampling:
     """Sampling from request inputs; `names` maps Sampling fields to this model's input names."""
     s = Sampling(
-        temperature=float(scalar(inputs, names["temperature"], 0.0)),
+        temperature=float(scalar(inputs, names["temperature"], 1.0)),
         top_k=int(scalar(inputs, names["top_k"], 0)),
-        top_p=float(scalar(inputs, names["top_p"], 1.0)),
+        top_p=max(0.0, float(scalar(inputs, names["top_p"], 0.0))),
         seed=None if scalar(inputs, "seed") is None else int(scalar(inputs, "seed")),
         repetition_penalty=float(scalar(inputs, "repetition_penalty", 1.0)),
         presence_penalty=float(scalar(inputs, "presence_penalty", 0.0)),
@@ -71,8 +83,8 @@ def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampl
         raise RequestError(names["temperature"], f"{s.temperature} is negative", "use 0 (greedy) or a positive value")
     if s.top_k < 0:
         raise RequestError(names["top_k"], f"{s.top_k} is negative", "use 0 (off) or a positive value")
-    if not 0.0 < s.top_p <= 1.0:
-        raise RequestError(names["top_p"], f"{s.top_p} is outside (0, 1]", "use e.g. 0.9, or 1.0 to disable")
+    if s.top_p > 1.0:
+        raise RequestError(names["top_p"], f"{s.top_p} is above 1", "use e.g. 0.9, or 1.0 to sample from all tokens")
     if s.repetition_penalty <= 0:
         raise RequestError("repetition_penalty", f"{s.repetition_penalty} is not positive", "use 1.0 to disable")
     if s.min_tokens < 0:

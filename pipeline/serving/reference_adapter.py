@@ -75,6 +75,25 @@ def _words(inputs: dict[str, np.ndarray], name: str) -> list[list[int]]:
     return from_word_list_format(arr.reshape(-1, 2, arr.shape[-1])[0])
 
 
+def _refuse_unsupported_sampling(inputs: dict[str, np.ndarray]) -> None:
+    """Sampling inputs of the tensorrtllm backend that would change tokens and are not implemented here."""
+    decay, reset = scalar(inputs, "runtime_top_p_decay"), scalar(inputs, "runtime_top_p_reset_ids")
+    if decay is not None and float(decay) != 1.0:
+        raise RequestError("runtime_top_p_decay", f"{decay}: top-p decay is not implemented by the reference engine",
+                           "send 1.0 or leave it out")
+    if reset is not None and int(reset) != -1:
+        raise RequestError("runtime_top_p_reset_ids", f"{reset}: top-p decay is not implemented by the reference engine",
+                           "send -1 or leave it out")
+    if "draft_acceptance_threshold" in inputs:
+        raise RequestError("draft_acceptance_threshold", "a constant acceptance threshold is not implemented (nor "
+                           "lossless); draft logits are verified by rejection sampling", "leave it out")
+
+
+def stop_requested(inputs: dict[str, np.ndarray]) -> bool:
+    """True for NVIDIA's stop request (`stop` input true): it names a running request to stop, nothing to generate."""
+    return _flag(inputs, "stop")
+
+
 def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input_default: bool,
                    vocab_size: int) -> tuple[Request, ResponseOptions]:
     """Validate tensorrt_llm inputs and build the engine request; raises RequestError."""
@@ -101,9 +120,12 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
     if max_new is None or int(max_new) < 1:
         raise RequestError("request_output_len", f"{max_new} is not a positive count", "ask for at least 1 token")
     s = read_sampling(inputs, ENGINE_SAMPLING_NAMES)
+    _refuse_unsupported_sampling(inputs)
     end_id = scalar(inputs, "end_id")
+    if end_id is not None and int(end_id) == -1:  # TensorRT-LLM accepts end_id -1: no end token
+        end_id = None
     sampling = SamplingParams(
-        temperature=0.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+        temperature=0.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.nucleus, seed=s.seed,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, min_length=s.min_tokens,
         end_id=None if end_id is None else int(end_id),
@@ -187,7 +209,6 @@ class ResponseBuilder:
         self.num_tokens = 0
         self.cum_log_prob = 0.0
         self.unsent: list[RequestOutput] = []  # outputs not rendered yet (non-streaming: all of them)
-        self.sent_prompt = False
 
     def add(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """Arrays to send for this output, or None (non-streaming and not finished yet, or nothing new)."""
@@ -201,9 +222,10 @@ class ResponseBuilder:
 
     def _arrays(self, outs: list[RequestOutput], last: RequestOutput) -> dict[str, np.ndarray]:
         ids = [t for o in outs for t in o.new_token_ids]
-        if not self.options.exclude_input_in_output and not self.sent_prompt:
+        # As TensorRT-LLM (batch_manager/llmRequest.cpp, createResult): a streamed response carries only
+        # new tokens, so exclude_input_in_output matters for the one non-streaming response alone.
+        if not self.options.exclude_input_in_output and not self.options.streaming:
             ids = self.prompt_ids + ids
-        self.sent_prompt = True
         arrays = {
             "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),  # [batch, beams, n]
             "sequence_length": np.array([[len(ids)]], dtype=np.int32),  # [batch, beams]

@@ -3,7 +3,9 @@ interface over the reference engine. An EngineRunner thread steps the engine, so
 (plain, or verifying external draft tokens) is batched in flight. Decoupled or not (serving.decoupled), each
 request is handed to the engine at once and answered through its response sender: streamed when decoupled,
 one response otherwise. As in NVIDIA's C++ backend, a request with `stop` true cancels the running requests
-that carry its Triton request id and gets one empty response, and a non-decoupled model refuses `streaming`.
+that carry its Triton request id and gets one empty final response (the tensorrtllm backend's handleStopRequest in
+inflight_batcher_llm/src/model_instance_state.cc; a stopped request ends with the tokens it has), and a
+non-decoupled model refuses `streaming`.
 """
 
 import queue
@@ -15,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine
+from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine, stop_requested
 from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.errors import RequestError, Stopped
 
@@ -28,27 +30,31 @@ class TritonPythonModel:
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
-        self.by_triton_id: dict[str, set[str]] = {}  # Triton request id -> running engine request ids (for `stop`)
-        self.ids_lock = threading.Lock()
         self.engine = load_serving_engine(params["gpt_model_path"], params)
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine)
+        self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
+        self.stopped: set[str] = set()  # engine request ids a `stop` request ended: they end normally
+        self.running_lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
                 inputs = triton_io.request_inputs(request, self.input_names)
-                if "stop" in inputs and bool(inputs["stop"].reshape(-1)[0]):
-                    self._stop(request, sender)
+                if stop_requested(inputs):
+                    self._stop(request.request_id(), sender)
                     continue
                 engine_req, options = engine_request(inputs, uuid.uuid4().hex, self.exclude_input, self.vocab_size)
                 if options.streaming and not self.decoupled:
                     raise RequestError("streaming", "is only supported by a decoupled model (serving.decoupled: false here)",
                                        "send streaming false, or set serving.decoupled: true")
                 outputs = self.runner.submit(engine_req)
+                if request.request_id():
+                    with self.running_lock:
+                        self.running.setdefault(request.request_id(), set()).add(engine_req.request_id)
             except EngineInputError as exc:
                 triton_io.send_final_error(sender, RequestError(exc.field, "invalid", exc.fix))
                 continue
@@ -56,23 +62,35 @@ class TritonPythonModel:
                 triton_io.send_final_error(sender, exc)
                 continue
             builder = ResponseBuilder(engine_req.prompt_ids, options)
-            with self.ids_lock:
-                self.by_triton_id.setdefault(request.request_id(), set()).add(engine_req.request_id)
             threading.Thread(target=self._respond, args=(request, sender, engine_req.request_id, outputs, builder),
                              daemon=True).start()
         return None
 
-    def _stop(self, request, sender):
-        """Cancel the running requests with this request's Triton id; answer with one empty response."""
-        if not request.request_id():
-            triton_io.send_final_error(sender, RequestError("stop", "needs the request id of the request to stop",
-                                                            "send the stop request with the same request id"))
-            return
-        with self.ids_lock:
-            running = list(self.by_triton_id.get(request.request_id(), ()))
-        for engine_id in running:
+    def _stop(self, triton_id: str, sender) -> None:
+        """Stop every running request with this Triton request id; answer with an empty final response."""
+        if not triton_id:
+            raise RequestError("stop", "needs the request id of the request to stop",
+                               "send the stop request with the same request id (gRPC/HTTP `id`)")
+        with self.running_lock:
+            engine_ids = list(self.running.get(triton_id, ()))
+        with self.running_lock:
+            self.stopped.update(engine_ids)
+        for engine_id in engine_ids:  # an unknown id is no error: the request may have finished already
             self.runner.cancel(engine_id)
         sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _stopped_by_request(self, request_id: str) -> bool:
+        with self.running_lock:
+            return request_id in self.stopped
+
+    def _forget(self, triton_id: str, request_id: str) -> None:
+        with self.running_lock:
+            self.stopped.discard(request_id)
+            ids = self.running.get(triton_id)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self.running[triton_id]
 
     def _respond(self, request, sender, request_id, outputs, builder):
         """Forward the engine's outputs of one request to its client until it finishes."""
@@ -87,9 +105,10 @@ class TritonPythonModel:
                 if out.error:
                     triton_io.send_final_error(sender, RuntimeError(out.error))
                     return
-                if out.finish_reason == "cancelled":  # never a short final that looks complete
+                # never a short final that looks complete, unless NVIDIA's `stop` request asked for it
+                if out.finish_reason == "cancelled" and not self._stopped_by_request(request_id):
                     triton_io.send_final_error(sender, Stopped(
-                        f"{len(builder.tokens) + len(out.new_token_ids)} tokens generated (its client left, "
+                        f"{builder.num_tokens + len(out.new_token_ids)} tokens generated (its client left, "
                         "or the model is unloading)"))
                     return
                 arrays = builder.add(out)
@@ -103,11 +122,7 @@ class TritonPythonModel:
         except Exception as exc:
             triton_io.send_final_error(sender, exc)
         finally:
-            with self.ids_lock:
-                running = self.by_triton_id.get(request.request_id(), set())
-                running.discard(request_id)
-                if not running:
-                    self.by_triton_id.pop(request.request_id(), None)
+            self._forget(request.request_id(), request_id)
 
     def finalize(self):
         self.runner.close()
