@@ -47,10 +47,12 @@ ENGINE_NAMES = {"top_k": "runtime_top_k", "top_p": "runtime_top_p"}
 
 
 def engine_request(ids: list[int], max_new: int, streaming: bool = False, **params) -> dict:
-    """tensorrt_llm inputs for the same parameters (NVIDIA's names and dtypes)."""
+    """tensorrt_llm inputs for the same parameters (NVIDIA's names and dtypes); generated tokens only (the
+    engines' configured exclude_input_in_output is false, as NVIDIA's recipe fills it)."""
     fields = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
               "request_output_len": np.array([[max_new]], dtype=np.int32),
-              "streaming": np.array([[streaming]], dtype=bool)}
+              "streaming": np.array([[streaming]], dtype=bool),
+              "exclude_input_in_output": np.array([[True]], dtype=bool)}
     for name, value in params.items():
         dtype = np.uint64 if name == "seed" else bool if isinstance(value, bool) else np.int32 if isinstance(value, int) else np.float32
         fields[ENGINE_NAMES.get(name, name)] = np.array([[value]], dtype=dtype)
@@ -152,8 +154,7 @@ def speculating_server(tmp_path_factory, derived_pair):
     so two-token requests go through one propose + verify round."""
     spec = load_spec(write_spec(tmp_path_factory.mktemp("sampling-spec"), *derived_pair,
                                 **{"speculative.min_new_tokens_for_speculation": 0}))
-    run_reference(spec)
-    with serving(spec) as (server, _):
+    with serving(run_reference(spec)) as (server, _):
         yield server
 
 

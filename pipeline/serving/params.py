@@ -6,8 +6,9 @@ INVALID_ARG error response and keep serving.
 
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampl
     s = Sampling(
         temperature=float(scalar(inputs, names["temperature"], 1.0)),
         top_k=int(scalar(inputs, names["top_k"], 0)),
-        top_p=max(0.0, float(scalar(inputs, names["top_p"], 0.0))),
+        top_p=float(scalar(inputs, names["top_p"], 0.0)),
         seed=None if scalar(inputs, "seed") is None else int(scalar(inputs, "seed")),
         repetition_penalty=float(scalar(inputs, "repetition_penalty", 1.0)),
         presence_penalty=float(scalar(inputs, "presence_penalty", 0.0)),
@@ -79,6 +80,7 @@ def read_sampling(inputs: dict[str, np.ndarray], names: dict[str, str]) -> Sampl
     for name, value in floats.items():
         if not math.isfinite(value):  # NaN reaches the sampler as an error, inf as garbage text
             raise RequestError(name, f"{value} is not a finite number", "send a finite value")
+    s = replace(s, top_p=max(0.0, s.top_p))  # top_p <= 0 is unset, as in NVIDIA's backend
     if s.temperature < 0:
         raise RequestError(names["temperature"], f"{s.temperature} is negative", "use 0 (greedy) or a positive value")
     if s.top_k < 0:
