@@ -43,9 +43,11 @@ def test_float32_is_built_as_bfloat16_or_float16_with_a_notice():
     assert engine_dtype(spec_with("models.target.dtype=float16"), spec_with("models.target.dtype=float16").models.target) == "float16"
 
 
-def test_default_spec_plans_cleanly_for_a_gpu():
-    """examples/default.yaml (float32 for exact CPU speculation) yields a bfloat16 GPU build with a notice."""
-    spec = load_spec(REPO / "examples/default.yaml")
+def test_default_spec_plans_cleanly_for_a_gpu(derived_pair, tmp_path):
+    """examples/default.yaml (float32 activations for the CPU kernels) yields a bfloat16 GPU build with a notice
+    (on a tiny checkpoint: the plan inspects it)."""
+    spec = load_spec(REPO / "examples/default.yaml", [f"models.target.checkpoint={derived_pair[0]}",
+                                                      f"output.cache_dir={tmp_path / 'cache'}"])
     script = render_script(make_plan(spec, "trtllm"))
     convert = check_command(parse_script(script)[0][2])
     assert convert.dtype == "bfloat16"
