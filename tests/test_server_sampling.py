@@ -35,7 +35,7 @@ def bls_request(prompt: str, max_tokens: int = MAX_TOKENS, **params) -> dict:
               "presence_penalty": np.float32, "frequency_penalty": np.float32}
     fields = {"text_input": np.array([[prompt.encode()]], dtype=object),
               "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
-    for name, value in params.items():
+    for name, value in {"exclude_input_in_output": True, **params}.items():
         if name in ("stop_words", "bad_words"):
             fields[name] = np.array([[w.encode() for w in value]], dtype=object)
         else:

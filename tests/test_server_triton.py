@@ -64,9 +64,10 @@ def grpc_inputs(fields: dict, client_module=grpcclient) -> list:
 
 
 def text_request(prompt: str, max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    """ensemble / tensorrt_llm_bls inputs; generated text only unless `exclude_input_in_output` says otherwise."""
     fields = {"text_input": np.array([[prompt.encode()]], dtype=object),
               "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
-    for name, value in extra.items():
+    for name, value in {"exclude_input_in_output": True, **extra}.items():
         dtype = {bool: bool, int: np.int32, float: np.float32}[type(value)]
         fields[name] = np.array([[value]], dtype=dtype)
     return fields
@@ -160,7 +161,11 @@ def test_generate_and_generate_stream(triton_server, plain):
     base = f"http://{triton_server.http_url}/v2/models"
     status, body = http_json(f"{base}/ensemble/generate", {"text_input": prompt, "max_tokens": MAX_TOKENS, "num_draft_tokens": 0})
     assert status == 200, body
-    assert json.loads(body)["text_output"] == plain(prompt)
+    # exclude_input_in_output unset: a non-streaming response starts with the prompt, as NVIDIA's ensemble's
+    assert json.loads(body)["text_output"] == prompt + plain(prompt)
+    status, body = http_json(f"{base}/ensemble/generate", {"text_input": prompt, "max_tokens": MAX_TOKENS,
+                                                           "num_draft_tokens": 3, "exclude_input_in_output": True})
+    assert status == 200 and json.loads(body)["text_output"] == plain(prompt), body
     status, body = http_json(f"{base}/tensorrt_llm_bls/generate_stream",
                              {"text_input": prompt, "max_tokens": MAX_TOKENS, "num_draft_tokens": 3, "stream": True})
     assert status == 200, body
@@ -273,7 +278,7 @@ def test_bad_http_generate_is_400_and_server_keeps_serving(triton_server, plain)
     status, body = http_json(base, {"text_input": "hi", "max_tokens": 8, "num_draft_tokens": 99})
     assert status == 400 and "num_draft_tokens" in body and "fix" in body
     prompt = prompts(1)[0]
-    status, body = http_json(base, {"text_input": prompt, "max_tokens": MAX_TOKENS})
+    status, body = http_json(base, {"text_input": prompt, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True})
     assert status == 200 and json.loads(body)["text_output"] == plain(prompt)
 
 

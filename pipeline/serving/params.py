@@ -162,7 +162,7 @@ class TextRequest:
     pad_id: int
     stop_words: list[list[int]] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)
-    exclude_input_in_output: bool = True
+    exclude_input_in_output: bool = False
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -234,8 +234,9 @@ def parse_text_request(inputs: dict[str, np.ndarray], settings: BlsSettings, tok
         pad_id=default_pad_id(tokenizer) if pad_id is None else int(pad_id),
         stop_words=words_to_ids(tokenizer, _strings(inputs, "stop_words")),
         bad_words=words_to_ids(tokenizer, _strings(inputs, "bad_words")),
-        exclude_input_in_output=True if scalar(inputs, "exclude_input_in_output") is None
-        else bool(scalar(inputs, "exclude_input_in_output")),
+        # Unset: the engines' configured value, false as NVIDIA's recipe fills it, so a non-streaming response
+        # starts with the prompt as NVIDIA's BLS and ensemble return it (their end_to_end_test.py compares them).
+        exclude_input_in_output=_flag(scalar(inputs, "exclude_input_in_output")),
         return_perf_metrics=_flag(scalar(inputs, "return_perf_metrics")),
         return_num_input_tokens=_flag(scalar(inputs, "return_num_input_tokens")),
         return_num_output_tokens=_flag(scalar(inputs, "return_num_output_tokens")),
