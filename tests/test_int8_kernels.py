@@ -13,13 +13,12 @@ from specbuild.plan import make_plan
 from pipeline.reference.checkpoint import dequantize_linear, load_engine, quantize_linear
 from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
-from pipeline.reference.engine import LLMEngine, Request
+from pipeline.reference.engine import LLMEngine
 from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
-from tests.test_speculative import prompts
+from tests.test_speculative import drive, prompts
 
-MAX_NEW = 12
 SPEC = """\
 name: t
 models:
@@ -107,18 +106,8 @@ def generate(engine_dir, requests, proposer=None, stagger=False):
     """{request_id: tokens} and summed accepted draft tokens from a fresh engine (batch-invariant math)."""
     engine = LLMEngine.from_engine_dir(engine_dir, proposer=proposer, batch_invariant=True, max_batch_size=8,
                                        max_seq_len=256, max_input_len=128, max_draft_len=6)
-    pending = [Request(f"r{i}", p, MAX_NEW) for i, p in requests]
-    tokens, accepted = {}, 0
-    while pending or engine.has_unfinished():
-        if pending:
-            for req in pending[:1] if stagger else pending:
-                engine.add_request(req)
-            pending = pending[1:] if stagger else []
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            accepted += out.stats.accepted_tokens if out.finished else 0
-    return tokens, accepted
+    tokens, stats = drive(engine, requests, stagger)
+    return tokens, sum(st.accepted_tokens for st in stats)
 
 
 def test_float16_engines_run_fp16_weight_kernels(int8_engines):

@@ -42,11 +42,18 @@ def run(target_dir, proposer=None, requests=None, stagger: bool = False, max_dra
     engine = LLMEngine(model, EngineConfig(max_batch_size=8, max_draft_len=max_draft_len, batch_invariant=True,
                                            max_seq_len=256, max_input_len=128), proposer)
     requests = list(requests if requests is not None else enumerate(prompts()))
+    tokens, stats = drive(engine, requests, stagger, sampling)
+    return tokens, aggregate(stats)
+
+
+def drive(engine, requests, stagger: bool = False, sampling=None) -> tuple[dict[str, list[int]], list]:
+    """Run (index, prompt) requests of MAX_NEW tokens to the end: ({request_id: tokens}, finished requests' stats).
+    Staggered: one request joins per step; else everybody at once."""
     tokens: dict[str, list[int]] = {}
     stats = []
     pending = [Request(f"r{i}", p, MAX_NEW, sampling=sampling or SamplingParams()) for i, p in requests]
     while pending or engine.has_unfinished():
-        if pending:  # staggered: one request joins per step; else everybody at once
+        if pending:
             for req in pending[:1] if stagger else pending:
                 engine.add_request(req)
             pending = pending[1:] if stagger else []
@@ -55,7 +62,7 @@ def run(target_dir, proposer=None, requests=None, stagger: bool = False, max_dra
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 stats.append(out.stats)
-    return tokens, aggregate(stats)
+    return tokens, stats
 
 
 @pytest.fixture(scope="module")
