@@ -108,12 +108,17 @@ def run_chunks(decoder, tokenizer, settings, text, max_tokens, k, **flags):
     return req, asyncio.run(collect())
 
 
+def local_decoder(runners, mode: str) -> tuple[BlsSettings, SpeculativeDecoder]:
+    """The BLS's decoder over in-process engines: K up to 4, 48-token prompts, 64-token sequences."""
+    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
+                           max_input_len=48, max_seq_len=64, verify_input_len=63)
+    return settings, SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+
+
 @pytest.mark.parametrize("mode", ["draft_target", "ngram"])
 def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
     runners, tokenizer = engines
-    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
-                           max_input_len=48, max_seq_len=64, verify_input_len=63)
-    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+    settings, decoder = local_decoder(runners, mode)
     text = "the the the cat sat on the mat and the cat sat on the"
     results = {}
     for k in (0, 3):

@@ -16,7 +16,7 @@ from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, derive_seed, role_seed
 from pipeline.serving.bls import SpeculativeDecoder
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings
-from tests.test_bls_local import Rounds, engines  # noqa: F401 (engines: fixture)
+from tests.test_bls_local import Rounds, engines, local_decoder  # noqa: F401 (engines: fixture)
 from tests.test_bls_local import run as run_bls
 from tests.test_engine import VOCAB, make_engine, prompts, run
 
@@ -128,9 +128,7 @@ def test_bls_gives_each_role_one_seed_for_every_round(engines):
 def test_bls_seeded_sampling_is_the_same_text_for_every_k(engines, mode):
     """Prompt lookup and draft tokens without logits are verified by token matching: the seeded text of K = 0."""
     runners, tokenizer = engines
-    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
-                           max_input_len=48, max_seq_len=64, verify_input_len=63)
-    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+    settings, decoder = local_decoder(runners, mode)
     text = "the the the cat sat on the mat and the cat sat on the"
 
     def sample(k, seed):
