@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.spec import Spec, load_spec
+from pipeline.rules import load_spec
+from pipeline.spec import Spec
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,5 +19,5 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace, check_paths: bool = True) -> Spec:
-    """Load the spec named by parsed arguments, with its overrides."""
+    """Load the spec named by parsed arguments, with its overrides (and its toolchain's rules)."""
     return load_spec(args.spec, args.overrides, check_paths=check_paths)

@@ -37,8 +37,9 @@ from pipeline.lifecycle import ABORT_WAIT_S
 from pipeline.llmapi import TOOLCHAIN as LLMAPI_TOOLCHAIN
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
+from pipeline.rules import load_spec
 from pipeline.serving.drain import DRAIN_ENV
-from pipeline.spec import Spec, SpecError, load_spec, named_checkpoints, parse_spec, to_dict
+from pipeline.spec import Spec, SpecError, named_checkpoints, parse_spec, to_dict
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, TOOLCHAINS, toolchain_traits
 from specbuild.plan import DigestCache, Plan, checkpoint_files, folder_digest, make_plan
 from specbuild.toolchains import toolchain_module

@@ -343,12 +343,9 @@ def _kind(value: Any) -> str:
 
 
 def check_combinations(spec: Spec) -> None:
-    """Reject impossible combinations with the field that must change."""
+    """Reject impossible combinations with the field that must change (every toolchain's; a toolchain's own
+    rules are in pipeline/rules.py)."""
     s, e = spec.speculative, spec.engine
-    if spec.toolchain == "trtllm":  # the GPU's rules (any spec's trtllm plan checks them too)
-        from pipeline.gpus import check_gpu_rules
-
-        check_gpu_rules(spec)
     if not spec.name.replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"{spec.name!r} has characters other than letters, digits, - and _", "rename it")
     if spec.serving.streaming and not spec.serving.decoupled:
@@ -429,10 +426,6 @@ def check_combinations(spec: Spec) -> None:
         if not 0 < getattr(spec.serving, name) < 86400:
             raise SpecError(f"serving.{name}", f"{getattr(spec.serving, name)} is not between 0 and 86400 seconds",
                             "use e.g. 60")
-    if spec.toolchain == "trtllm-llmapi":  # what the PyTorch backend lacks (pipeline/llmapi.py)
-        from pipeline.llmapi import check_rules
-
-        check_rules(spec)
     ports = [spec.serving.http_port, spec.serving.grpc_port, spec.serving.metrics_port]
     if len(set(ports)) != 3 or not all(0 < p < 65536 for p in ports):
         raise SpecError("serving.http_port", f"ports {ports} must be distinct and in 1..65535", "pick three free ports")

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.gpus import check_gpu_rules, compute_capability, dtype_notices, engine_dtype
-from pipeline.spec import GpuSpec, SpecError, load_spec
+from pipeline.rules import load_spec
+from pipeline.spec import GpuSpec, SpecError
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm import check_command, parse_script, render_script
 

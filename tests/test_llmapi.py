@@ -13,7 +13,8 @@ from pipeline.llmapi import ContractError, check_llm_args, contract, llm_args, s
 from pipeline.repo.assemble import assemble, kv_fractions
 from pipeline.repo.config import parse_pbtxt
 from pipeline.repo.llmapi import OPTIONS_FILE, LlmapiRepoError, validate_llmapi_repo
-from pipeline.spec import SpecError, load_spec
+from pipeline.rules import load_spec
+from pipeline.spec import SpecError
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
 from pipeline.fixtures.models import make_random_eagle3

@@ -23,6 +23,7 @@ from pipeline import stack
 from pipeline.checkpoints import Report, inspect_spec
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
+from pipeline.rules import check_toolchain_rules
 from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
 from pipeline.gpus import engine_dtype
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
@@ -225,6 +226,7 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     here, before any work); pass `inspection` to plan the same spec for another toolchain without re-reading.
     """
     toolchain = toolchain or resolve_toolchain(spec)[0]
+    check_toolchain_rules(spec, toolchain)  # what the planned toolchain refuses (pipeline/rules.py)
     inspection = inspection or inspect_spec(spec)
     own_digests = digests is None
     if own_digests:

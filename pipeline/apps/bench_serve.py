@@ -216,7 +216,7 @@ def write_section(section: str, path: Path = Path("docs/benchmarks.md")) -> None
 def main(argv=None) -> int:
     """`python -m pipeline.apps.bench_serve SPEC`."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's models run (pipeline.server.server_env)
-    from pipeline.spec import load_spec
+    from pipeline.rules import load_spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec")
