@@ -292,11 +292,13 @@ def tritonserver_flags(d: DeployPlan) -> list[str]:
 
 def llmapi_server_command(d: DeployPlan) -> list[str]:
     """The LLM API repository copied to /tmp with NVIDIA's model code from the container next to its
-    model.yaml (the engines volume is read-only here), then tritonserver in the foreground as PID 1."""
+    model.yaml (the engines volume is read-only here), then tritonserver as PID 1, without mpirun (the llmapi
+    model runs at world size 1), draining for serving.drain_timeout_s after SIGTERM."""
     from specbuild.toolchains.trtllm_llmapi import model_code_dir, server_command as llmapi_tritonserver
 
     repo = PurePosixPath("/tmp/llmapi_repo")
-    serve = llmapi_tritonserver(Path(repo), d.spec) + [f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+    # No BLS counts requests for the preStop drain here: tritonserver's own exit timeout after SIGTERM is the drain.
+    serve = llmapi_tritonserver(Path(repo), d.spec, str(math.ceil(d.spec.serving.drain_timeout_s)))
     code = model_code_dir()
     script = (f"rm -rf {repo} && cp -r {d.model_repo} {repo} && cp {code}/model.py {code}/helpers.py "
               f"{repo}/{TARGET_MODEL}/1/ && exec {shlex.join(serve)}")
@@ -352,8 +354,9 @@ def deployment_patch(d: DeployPlan) -> dict:
     pod: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_s(d.spec)}
     if toolchain_traits(d.toolchain).gpu:
         container["resources"] = _gpu_resources(d.gpus_per_pod)
-        # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
-        container["env"].append({"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)})
+        if toolchain_traits(d.toolchain).repository != "llmapi":  # the llmapi command runs no mpirun
+            # On SIGTERM mpirun signals tritonserver, then kills it after this many seconds: let it drain.
+            container["env"].append({"name": "OMPI_MCA_odls_base_sigkill_timeout", "value": str(EXIT_TIMEOUT_S + 5)})
         if d.topology:  # leader mode across nodes: no orchestrator (it spawns ranks on its own node only)
             container["env"].append({"name": "TRTLLM_ORCHESTRATOR", "$patch": "delete"})
         pod["affinity"] = _gpu_affinity(d.spec.gpu.name)

@@ -7,6 +7,7 @@ name, KV fractions) so that a value typed into the static YAML instead of genera
 
 import ast
 import json
+import math
 import re
 import shlex
 import shutil
@@ -411,7 +412,11 @@ def test_server_probes_startup_budget_and_draining(rendered, case):
     # the grace covers the whole preStop drain (unready delay, budget, aborted requests' errors) and the stop
     drain_s = deploy.UNREADY_DELAY_S + d.spec.serving.drain_timeout_s + ABORT_WAIT_S
     assert pod["terminationGracePeriodSeconds"] >= drain_s + 30
-    if toolchain_traits(d.toolchain).gpu:
+    if toolchain_traits(d.toolchain).repository == "llmapi":  # no BLS to drain: tritonserver's exit timeout drains
+        assert f"--exit-timeout-secs={math.ceil(d.spec.serving.drain_timeout_s)}" in " ".join(triton["command"])
+        assert "mpirun" not in " ".join(triton["command"])
+        assert "OMPI_MCA_odls_base_sigkill_timeout" not in {e["name"] for e in triton["env"]}
+    elif toolchain_traits(d.toolchain).gpu:
         assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in " ".join(triton["command"])
     shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
     assert shm[0]["emptyDir"]["medium"] == "Memory"
@@ -772,14 +777,17 @@ def test_trtllm_server_flags_exist_in_tritonserver(rendered, case):
     _d, objects = rendered[case]
     command = container(one(objects, "Deployment")["spec"]["template"]["spec"], "triton")["command"]
     if command[:2] == ["bash", "-c"]:  # trtllm-llmapi: copy the repository and NVIDIA's model code, then exec the server
-        command = shlex.split(command[2].split(" && exec ", 1)[1])
-    assert command[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"] and Path(command[4]).name == "tritonserver"
+        command = shlex.split(command[2].split(" && exec ", 1)[1])  # tritonserver itself: world size 1, no mpirun
+    else:
+        assert command[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"]
+        command = command[4:]
+    assert Path(command[0]).name == "tritonserver"
     out = subprocess.run([str(tritonserver_root() / "bin" / "tritonserver"), "--help"],
                          capture_output=True, text=True, timeout=30)
     help_text = out.stdout + out.stderr
     accepted = set(re.findall(r"--[a-z][a-z-]*", help_text))
     assert "--model-repository" in accepted
-    flags = {arg.split("=", 1)[0] for arg in command[5:]}
+    flags = {arg.split("=", 1)[0] for arg in command[1:]}
     assert flags <= accepted, flags - accepted
 
 

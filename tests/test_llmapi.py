@@ -2,7 +2,10 @@
 repository, trtllm-serve options) with every generated key checked against the recorded LLM API facts; the
 others are refused in one line. GPU-only: checked through its contract (pipeline/contracts/llmapi.json)."""
 
+import json
+import os
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
@@ -17,7 +20,9 @@ from pipeline.rules import load_spec
 from pipeline.spec import SpecError
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
+from pipeline import stack
 from pipeline.fixtures.models import make_random_eagle3
+from tests.fake_tritonserver import EXIT_STATUS, recorded_args, wait_for, write_fake_tritonserver
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -101,9 +106,9 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
     script = render_script(plan)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert script.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in script
-    last = shlex.split(script.strip().splitlines()[-1])
-    assert last[:5] == ["exec", "mpirun", "--allow-run-as-root", "-n", "1"]  # the server stays in the foreground
-    assert "--model-repository=$LLMAPI_REPO" in last and "--disable-auto-complete-config" in last
+    [server] = [shlex.split(line) for line in script.splitlines() if line.startswith('"$TRITONSERVER" ')]
+    assert server[-1] == "&" and "mpirun" not in script  # a child the script waits on (test_launch_script_*)
+    assert "--model-repository=$LLMAPI_REPO" in server and "--disable-auto-complete-config" in server
     assert f'LLMAPI_REPO="${{LLMAPI_REPO:-{repo}}}"' in script
     for step in plan.steps:
         [line] = [l for l in script.splitlines() if l.startswith(f"run_step {step.key} ")]
@@ -196,3 +201,47 @@ def test_clients_speak_the_llmapi_model_and_refuse_per_request_speculation(deriv
         with pytest.raises(ClientError, match="draft length is fixed per server") as err:
             model.encode(GenerateRequest("Hello", **field).wire_fields(stream=True))
         assert err.value.kind == "invalid_request" and "\n" not in str(err.value)
+
+
+def fake_container(folder: Path) -> dict:
+    """What the launch part of the script needs from the Triton TensorRT-LLM container, as stand-ins: the
+    tensorrt_llm distribution at the pinned version (its metadata only), NVIDIA's llmapi model code, tritonserver."""
+    dist = folder / "site" / f"tensorrt_llm-{stack.TRTLLM_VERSION}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: {stack.TRTLLM_VERSION}\n")
+    code = folder / "llmapi_code"
+    code.mkdir()
+    for name in ("model.py", "helpers.py"):
+        (code / name).write_text(f"# stand-in for NVIDIA's {name}\n")
+    return {**os.environ, "PYTHONPATH": str(folder / "site"), "LLMAPI_MODEL_CODE": str(code),
+            "TRITONSERVER": str(write_fake_tritonserver(folder)), "FAKE_DIR": str(folder)}
+
+
+@pytest.mark.parametrize("exit_timeout", [None, "45"])
+def test_launch_script_stays_in_foreground_forwards_sigterm_and_drains(exit_timeout, derived_pair, eagle3_heads, tmp_path):
+    """The generated script, run as is with a stand-in tritonserver: no mpirun, the server is a child the script
+    waits on, SIGTERM reaches it, the script waits through its drain and exits with its status; the drain timeout
+    is serving.drain_timeout_s unless EXIT_TIMEOUT_SECS overrides it."""
+    spec = tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path, ["serving.drain_timeout_s=12.5"])
+    plan = make_plan(spec, TC)
+    repo = assemble(plan)
+    script = tmp_path / "launch_triton.sh"
+    script.write_text(render_script(plan))
+    env = fake_container(tmp_path) | ({"EXIT_TIMEOUT_SECS": exit_timeout} if exit_timeout else {})
+    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(tmp_path / "started", proc)
+        assert proc.poll() is None  # in the foreground while tritonserver runs
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == EXIT_STATUS  # tritonserver's own exit status
+    finally:
+        proc.kill()
+    assert (tmp_path / "signal").read_text().strip() == "TERM" and (tmp_path / "drained").exists()
+    _cwd, _orchestrator, args = recorded_args(tmp_path)
+    assert f"--exit-timeout-secs={exit_timeout or 13}" in args  # ceil(12.5)
+    assert f"--model-repository={repo}" in args and "--disable-auto-complete-config" in args
+    assert (repo / "tensorrt_llm" / "1" / "model.py").read_text() == "# stand-in for NVIDIA's model.py\n"
+    # every flag is one launch_triton_server.py passes to tritonserver (its --no-mpi form)
+    launcher = json.loads((REPO / "pipeline/contracts/trtllm-1.2.1-cli.json").read_text())["launch_triton_server"]
+    assert {a.split("=")[0] for a in args} <= set(launcher["tritonserver_command"]["flags"])
+    assert "--no-mpi" in {a["name"] for a in launcher["args"]}

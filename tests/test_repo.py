@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from pipeline.repo.validate import RepoError, load_config, validate_repo
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.spec import load_spec
 from specbuild.plan import make_plan
+from tests.fake_tritonserver import EXIT_STATUS, recorded_args, wait_for, write_fake_tritonserver
 from tests.triton_fixtures import MAX_DRAFT_LEN, write_spec
 
 
@@ -132,22 +132,6 @@ def test_launch_script_matches_launcher_contract(trtllm_repo):
     assert f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{math.ceil(spec.serving.drain_timeout_s)}}}"' in script
 
 
-FAKE_TRITONSERVER = """#!/usr/bin/env bash
-printf '%s\\n' "$PWD" "$TRTLLM_ORCHESTRATOR" "$@" > "$FAKE_DIR/args"
-trap 'echo TERM > "$FAKE_DIR/signal"; exit 7' TERM
-touch "$FAKE_DIR/started"
-while :; do sleep 0.1; done
-"""
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, deadline_s: float = 60) -> None:
-    end = time.monotonic() + deadline_s
-    while not path.exists():
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < end, f"{path} never appeared"
-        time.sleep(0.05)
-
-
 def test_launch_script_stays_in_foreground_and_forwards_sigterm(trtllm_repo, tmp_path):
     """The generated script, run as is with a fake tritonserver: it waits on the server and passes SIGTERM on."""
     spec, repo = trtllm_repo
@@ -155,20 +139,18 @@ def test_launch_script_stays_in_foreground_and_forwards_sigterm(trtllm_repo, tmp
         engine = spec.out_dir / "trtllm" / "engines" / role
         engine.mkdir(parents=True, exist_ok=True)
         (engine / "config.json").write_text("{}")
-    fake = tmp_path / "tritonserver"
-    fake.write_text(FAKE_TRITONSERVER)
-    fake.chmod(0o755)
+    fake = write_fake_tritonserver(tmp_path)
     env = {**os.environ, "TRITONSERVER": str(fake), "FAKE_DIR": str(tmp_path), "EXIT_TIMEOUT_SECS": "45"}
     proc = subprocess.Popen(["bash", str(write_launch_script(spec, repo))], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(tmp_path / "started", proc)
+        wait_for(tmp_path / "started", proc)
         assert proc.poll() is None  # still in the foreground while tritonserver runs
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 7  # tritonserver's own exit status
+        assert proc.wait(timeout=30) == EXIT_STATUS  # tritonserver's own exit status
     finally:
         proc.kill()
     assert (tmp_path / "signal").read_text().strip() == "TERM"
-    cwd, orchestrator, *args = (tmp_path / "args").read_text().splitlines()
+    cwd, orchestrator, args = recorded_args(tmp_path)
     assert cwd == str(Path.cwd()) and orchestrator == "1"  # the project root: the python models import it
     assert f"--model-repository={repo}" in args and "--exit-timeout-secs=45" in args
 

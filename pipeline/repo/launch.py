@@ -65,8 +65,7 @@ def render_launch_script(spec: Spec, repo: Path) -> str:
         "# waits up to EXIT_TIMEOUT_SECS (default: the spec's serving.drain_timeout_s) for in-flight requests.",
         "# TRITONSERVER overrides the server binary.",
         "set -euo pipefail",
-        f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{math.ceil(spec.serving.drain_timeout_s)}}}"',
-        f'TRITONSERVER="${{TRITONSERVER:-{TRITONSERVER}}}"',
+        *server_variables(spec),
         "",
         "# The engines come from the generated build script (python -m pipeline plan SPEC --dry-run).",
     ]
@@ -87,7 +86,24 @@ def render_launch_script(spec: Spec, repo: Path) -> str:
         '  for ((j = 0; j < gpus; j++)); do gpu_pools+=("--cuda-memory-pool-byte-size=$j:0"); done',
         "fi",
         "",
-        f'"$TRITONSERVER" {args} ${{gpu_pools[@]+"${{gpu_pools[@]}}"}} &',
+        *foreground(f'"$TRITONSERVER" {args} ${{gpu_pools[@]+"${{gpu_pools[@]}}"}}'),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def server_variables(spec: Spec) -> list[str]:
+    """The launch scripts' overridable variables: tritonserver's exit timeout after SIGTERM (the spec's
+    serving.drain_timeout_s) and the server binary."""
+    return [f'EXIT_TIMEOUT_SECS="${{EXIT_TIMEOUT_SECS:-{math.ceil(spec.serving.drain_timeout_s)}}}"',
+            f'TRITONSERVER="${{TRITONSERVER:-{TRITONSERVER}}}"']
+
+
+def foreground(command: str) -> list[str]:
+    """bash lines that run `command` as a child in the foreground, forward SIGTERM/SIGINT to it and exit with its
+    status (shared by the GPU toolchains' launch scripts: launch_triton_server.py returns at once instead)."""
+    return [
+        f"{command} &",
         "server=$!",
         "trap 'kill -TERM \"$server\" 2>/dev/null || true' TERM INT",
         "# A trapped signal interrupts `wait`: wait again until tritonserver itself has exited.",
@@ -96,9 +112,7 @@ def render_launch_script(spec: Spec, repo: Path) -> str:
         '  kill -0 "$server" 2>/dev/null || break',
         "done",
         'exit "$status"',
-        "",
     ]
-    return "\n".join(lines)
 
 
 def write_launch_script(spec: Spec, repo: Path) -> Path:

@@ -4,9 +4,12 @@ There is no engine build. A quantized model is one ModelOpt step (`hf_ptq.py`, w
 checkpoint into the content-addressed cache, skipped when cached); then Triton starts on the llmapi
 repository (`pipeline/repo/llmapi.py`: config.pbtxt + model.yaml from pipeline/llmapi.py). The script
 (`render_script`, printed by `make plan`, written as launch_triton.sh by `make repo`) runs inside the
-pinned Triton TensorRT-LLM container: ModelOpt steps, then the server in the foreground (exec mpirun
-tritonserver, what launch_triton_server.py starts and then leaves in the background). LAUNCH=0 stops after
-the ModelOpt steps (the cluster's build Job). `trtllm_serve_command` is the same configuration for trtllm-serve.
+pinned Triton TensorRT-LLM container: ModelOpt steps, then tritonserver as launch_triton_server.py --no-mpi
+composes it, as a child the script waits on (the launcher leaves it in the background), with SIGTERM/SIGINT
+forwarded and tritonserver's exit status, after SIGTERM draining in-flight requests for EXIT_TIMEOUT_SECS
+(serving.drain_timeout_s): the same generator as the trtllm launch script (pipeline/repo/launch.py). No
+mpirun: the llmapi model runs at world size 1 (facts in pipeline/contracts/llmapi-facts.md). LAUNCH=0 stops
+after the ModelOpt steps (the cluster's build Job). `trtllm_serve_command` is the same configuration for trtllm-serve.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pipeline import stack
 from pipeline.checkpoints import inspect_spec
 from pipeline.llmapi import MODELOPT_KV_QFORMAT, MODELOPT_QFORMAT, TOOLCHAIN, ContractError, check_rules, contract
 from pipeline.repo.assemble import repo_dir
+from pipeline.repo.launch import foreground, server_variables
 from pipeline.spec import Spec
 from specbuild.execute import write_if_changed
 from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
@@ -77,14 +81,18 @@ def model_code_dir() -> str:
     return contract()["launch"]["container_repo_template"] + "tensorrt_llm/1"
 
 
-def server_command(repo: Path, spec: Spec) -> list[str]:
-    """The tritonserver command launch_triton_server.py --model_repo=REPO starts (world size 1: the llmapi
-    model spawns its own tensor/pipeline-parallel ranks), to run in the foreground."""
+def tritonserver_args(repo: Path, spec: Spec, exit_timeout: str = "$EXIT_TIMEOUT_SECS") -> list[str]:
+    """What launch_triton_server.py --model_repo=REPO --no-mpi --exit_timeout N passes to tritonserver (world
+    size 1: the llmapi model spawns its own tensor/pipeline-parallel ranks; pipeline/contracts/llmapi-facts.md)."""
     s = spec.serving
-    facts = contract()["launch"]
-    return ["mpirun", "--allow-run-as-root", "-n", "1", facts["tritonserver"], f"--model-repository={repo}",
+    return [f"--model-repository={repo}", f"--exit-timeout-secs={exit_timeout}",
             f"--grpc-port={s.grpc_port}", f"--http-port={s.http_port}", f"--metrics-port={s.metrics_port}",
-            *facts["launcher_tritonserver_args"]]
+            *contract()["launch"]["launcher_tritonserver_args"]]
+
+
+def server_command(repo: Path, spec: Spec, exit_timeout: str) -> list[str]:
+    """tritonserver itself, no mpirun (which SIGKILLs its child a few seconds after SIGTERM): the pods' command."""
+    return [contract()["launch"]["tritonserver"], *tritonserver_args(repo, spec, exit_timeout)]
 
 
 def trtllm_serve_command(spec: Spec, model: Path, options_file: Path, host: str = "0.0.0.0") -> list[str]:
@@ -102,9 +110,9 @@ def render_script(plan: Plan) -> str:
     spec = plan.spec
     check_rules(spec)
     repo = repo_dir(spec, TOOLCHAIN)
-    code = model_code_dir()
     variables = {"MODELOPT_DIR": MODELOPT_DIR, "CACHE_DIR": str(cache_dir(spec)),
-                 "TARGET_MODEL_DIR": str(spec.models.target.checkpoint), "LLMAPI_REPO": str(repo)}
+                 "TARGET_MODEL_DIR": str(spec.models.target.checkpoint), "LLMAPI_REPO": str(repo),
+                 "LLMAPI_MODEL_CODE": model_code_dir()}
     if any(step.role == "draft" for step in plan.steps):
         variables["DRAFT_MODEL_DIR"] = str(spec.models.draft.checkpoint)
     source = spec.source.name if spec.source else "SPEC"
@@ -117,6 +125,7 @@ def render_script(plan: Plan) -> str:
         "set -euo pipefail",
         "",
         *[f'{name}="${{{name}:-{value}}}"' for name, value in variables.items()],
+        *server_variables(spec),
         "",
         "# The pinned stack: the LLM API key spellings in model.yaml are those of this TensorRT-LLM.",
         *VERSION_CHECK,
@@ -136,9 +145,10 @@ def render_script(plan: Plan) -> str:
         "",
         "# NVIDIA's llmapi model code from the container (not part of this project), next to the generated model.yaml.",
         f'test -f "$LLMAPI_REPO/tensorrt_llm/1/model.yaml" || {{ echo "missing $LLMAPI_REPO: run python -m pipeline repo {source}" >&2; exit 1; }}',
-        f'cp {code}/model.py {code}/helpers.py "$LLMAPI_REPO/tensorrt_llm/1/"',
-        "# launch_triton_server.py would start this in the background and return: run it in the foreground.",
-        "exec " + " ".join(shell_quote(a) for a in server_command(Path("$LLMAPI_REPO"), spec)),
+        'cp "$LLMAPI_MODEL_CODE/model.py" "$LLMAPI_MODEL_CODE/helpers.py" "$LLMAPI_REPO/tensorrt_llm/1/"',
+        "# launch_triton_server.py --no-mpi would start this in the background and return: run it in the foreground,",
+        "# forward SIGTERM/SIGINT; tritonserver then waits up to EXIT_TIMEOUT_SECS for in-flight requests.",
+        *foreground('"$TRITONSERVER" ' + " ".join(shell_quote(a) for a in tritonserver_args(Path("$LLMAPI_REPO"), spec))),
     ]
     return "\n".join(lines) + "\n"
 
