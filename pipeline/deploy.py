@@ -390,7 +390,8 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
 
 
 def prometheus_rule(d: DeployPlan) -> dict:
-    """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert."""
+    """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert (acceptance
+    only on the toolchains whose repository exports the spec_decode_* counters)."""
     namespace = f'namespace="{d.namespace}"' if d.namespace else ""
     pods = ", ".join(filter(None, [namespace, 'pod=~"specdeploy-triton-.*"']))
     # the autoscaler watches the target's queue
@@ -401,12 +402,16 @@ def prometheus_rule(d: DeployPlan) -> dict:
     rules = [
         {"record": QUEUE_RATIO_RECORD,
          "expr": f"sum by (namespace, pod) ({queue})\n/\nclamp_min(sum by (namespace, pod) ({compute}), 1)"},
-        {"record": ACCEPTANCE_RECORD,
-         "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"},
     ]
+    # acceptance only where the served repository exports the BLS's counters: an alert on a metric that the
+    # path never exports would never fire (the llmapi model has none: docs/trtllm.md, Monitoring)
+    exported = toolchain_traits(d.toolchain).spec_decode_metrics
+    if exported:
+        rules.append({"record": ACCEPTANCE_RECORD,
+                      "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"})
     threshold = d.acceptance_floor
     alerts = []
-    if traits(d.spec.speculative.mode).speculates:
+    if exported and traits(d.spec.speculative.mode).speculates:
         alerts.append({
             "alert": "SpeculativeAcceptanceCollapsed",
             "expr": f"{ACCEPTANCE_RECORD}{{{namespace}}} < {threshold}" if namespace else f"{ACCEPTANCE_RECORD} < {threshold}",

@@ -22,6 +22,7 @@ import yaml
 
 from pipeline import __version__, deploy, names, stack
 from pipeline.lifecycle import ABORT_WAIT_S
+from pipeline.llmapi import contract as llmapi_contract
 from specbuild.plan import make_plan
 from pipeline.spec import SpecError, load_spec
 from pipeline.toolchains import toolchain_traits
@@ -329,6 +330,13 @@ def test_monitoring_objects_structurally(rendered, case):
     records = {r["record"]: r["expr"] for r in rules if "record" in r}
     assert "nv_inference_queue_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
     assert "nv_inference_compute_infer_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
+    if not toolchain_traits(d.toolchain).spec_decode_metrics:
+        # NVIDIA's llmapi model exports no metric of its own: every rule reads what the contract says that path
+        # exports (Triton's per-model metrics), and no acceptance rule or alert that could never fire is shipped
+        on_path = set(llmapi_contract()["metrics"]["triton_llmapi_model"]["prometheus"])
+        assert set().union(*(promql_metric_names(r["expr"]) for r in rules)) <= on_path | {deploy.QUEUE_RATIO_RECORD}
+        assert list(records) == [deploy.QUEUE_RATIO_RECORD] and not [r for r in rules if "alert" in r]
+        return
     assert {deploy.DRAFT_TOKENS_METRIC, deploy.ACCEPTED_TOKENS_METRIC} <= promql_metric_names(records[deploy.ACCEPTANCE_RECORD])
     (alert,) = [r for r in rules if "alert" in r]
     assert alert["expr"].endswith(f"< {d.acceptance_floor}")
