@@ -37,6 +37,7 @@ from pipeline.lifecycle import ABORT_WAIT_S
 from pipeline.llmapi import TOOLCHAIN as LLMAPI_TOOLCHAIN
 from pipeline.modes import traits
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_MODEL, DRAFT_TOKENS_METRIC, TARGET_MODEL
+from pipeline.repo.llmapi import copy_model_code
 from pipeline.rules import load_spec
 from pipeline.serving.drain import DRAIN_ENV
 from pipeline.spec import Spec, SpecError, named_checkpoints, parse_spec, to_dict
@@ -300,8 +301,7 @@ def llmapi_server_command(d: DeployPlan) -> list[str]:
     # No BLS counts requests for the preStop drain here: tritonserver's own exit timeout after SIGTERM is the drain.
     serve = llmapi_tritonserver(Path(repo), d.spec, str(math.ceil(d.spec.serving.drain_timeout_s)))
     code = model_code_dir()
-    script = (f"rm -rf {repo} && cp -r {d.model_repo} {repo} && cp {code}/model.py {code}/helpers.py "
-              f"{repo}/{TARGET_MODEL}/1/ && exec {shlex.join(serve)}")
+    script = f"rm -rf {repo} && cp -r {d.model_repo} {repo} && {copy_model_code(code, str(repo))} && exec {shlex.join(serve)}"
     return ["bash", "-c", script]
 
 
@@ -390,8 +390,8 @@ def build_job_patch(d: DeployPlan) -> list[dict]:
 
 
 def prometheus_rule(d: DeployPlan) -> dict:
-    """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert (acceptance
-    only on the toolchains whose repository exports the spec_decode_* counters)."""
+    """Recording rules (queue-to-compute ratio, acceptance rate) and the acceptance-collapse alert (the BLS, or on
+    trtllm-llmapi our tensorrt_llm model over NVIDIA's, exports the spec_decode_* counters)."""
     namespace = f'namespace="{d.namespace}"' if d.namespace else ""
     pods = ", ".join(filter(None, [namespace, 'pod=~"specdeploy-triton-.*"']))
     # the autoscaler watches the target's queue
@@ -402,16 +402,12 @@ def prometheus_rule(d: DeployPlan) -> dict:
     rules = [
         {"record": QUEUE_RATIO_RECORD,
          "expr": f"sum by (namespace, pod) ({queue})\n/\nclamp_min(sum by (namespace, pod) ({compute}), 1)"},
+        {"record": ACCEPTANCE_RECORD,
+         "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"},
     ]
-    # acceptance only where the served repository exports the BLS's counters: an alert on a metric that the
-    # path never exports would never fire (the llmapi model has none: docs/trtllm.md, Monitoring)
-    exported = toolchain_traits(d.toolchain).spec_decode_metrics
-    if exported:
-        rules.append({"record": ACCEPTANCE_RECORD,
-                      "expr": f"sum by (namespace, model) ({accepted})\n/\n(sum by (namespace, model) ({drafted}) > 0)"})
     threshold = d.acceptance_floor
     alerts = []
-    if exported and traits(d.spec.speculative.mode).speculates:
+    if traits(d.spec.speculative.mode).speculates:
         alerts.append({
             "alert": "SpeculativeAcceptanceCollapsed",
             "expr": f"{ACCEPTANCE_RECORD}{{{namespace}}} < {threshold}" if namespace else f"{ACCEPTANCE_RECORD} < {threshold}",

@@ -120,6 +120,7 @@ def llm_args(spec: Spec, model_dirs: dict[str, Path], kv_fraction: float | None 
             "kv_cache_config": kv}
     if speculative is not None:
         args["speculative_config"] = speculative
+        args["enable_iter_perf_stats"] = True  # specDecodingStats for the spec_decode_* metrics (serving/llmapi_model.py)
     check_llm_args(args, release)
     return args
 

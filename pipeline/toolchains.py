@@ -23,9 +23,6 @@ class ToolchainTraits:
     launch_script: bool  # the repository comes with TensorRT-LLM's launch_triton_server.py script
     engine_build: bool = True  # the plan builds engines; False: it serves HF checkpoints (quantized by ModelOpt if asked)
     repository: str = "inflight_batcher_llm"  # our five-model repository, or "llmapi" (NVIDIA's one LLM API model)
-    # the served repository exports our spec_decode_* metrics (the BLS does; NVIDIA's llmapi model exports no
-    # metric of its own: pipeline/contracts/llmapi.json `metrics`), so acceptance can be recorded and alerted on
-    spec_decode_metrics: bool = True
 
 
 TOOLCHAINS: dict[str, ToolchainTraits] = {
@@ -36,7 +33,7 @@ TOOLCHAINS: dict[str, ToolchainTraits] = {
     # TensorRT-LLM's LLM API / PyTorch backend: no engine build, one `tensorrt_llm` model configured by model.yaml
     "trtllm-llmapi": ToolchainTraits(gpu=True, engines_built_here=False, engine_backend="python", out_subdir="trtllm-llmapi",
                                      verify_bounded_by_max_input_len=False, grows_eagle2_tree=False, launch_script=True,
-                                     engine_build=False, repository="llmapi", spec_decode_metrics=False),
+                                     engine_build=False, repository="llmapi"),
 }
 # What `toolchain: auto` resolves to with and without TensorRT-LLM and a GPU; a CPU spec also gets the
 # GPU toolchain's repository (the same service for a GPU host), and overlays pick one by their components.

@@ -295,6 +295,19 @@ def bls_metric_names() -> set[str]:
     return {getattr(names, c) for c in created if getattr(names, c).startswith("spec_decode_")}
 
 
+def llmapi_model_metric_names() -> set[str]:
+    """The spec_decode_* metrics our llmapi tensorrt_llm model exports: the SpecMetrics counters its source
+    increments through SpecMetrics.count (read from the sources: they import triton_python_backend_utils)."""
+    source = (REPO_DEPLOY.parent / "pipeline" / "serving" / "llmapi_model.py").read_text()
+    assert "SpecMetrics(" in source and ".count(spec_decode_counts(" in source
+    tree = ast.parse(BLS_METRICS.read_text())
+    [count] = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "count"]
+    used = {n.value.attr for n in ast.walk(count) if isinstance(n, ast.Attribute) and n.attr == "increment"}
+    names_of = {"draft_tokens": names.DRAFT_TOKENS_METRIC, "accepted_tokens": names.ACCEPTED_TOKENS_METRIC,
+                "rounds": names.ROUNDS_METRIC}
+    return {names_of[u] for u in used}
+
+
 def known_metric_names() -> set[str]:
     """Triton's metrics used here, the BLS's metrics and our recorded series."""
     triton = {"nv_inference_request_success", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
@@ -330,13 +343,11 @@ def test_monitoring_objects_structurally(rendered, case):
     records = {r["record"]: r["expr"] for r in rules if "record" in r}
     assert "nv_inference_queue_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
     assert "nv_inference_compute_infer_duration_us" in records[deploy.QUEUE_RATIO_RECORD]
-    if not toolchain_traits(d.toolchain).spec_decode_metrics:
-        # NVIDIA's llmapi model exports no metric of its own: every rule reads what the contract says that path
-        # exports (Triton's per-model metrics), and no acceptance rule or alert that could never fire is shipped
-        on_path = set(llmapi_contract()["metrics"]["triton_llmapi_model"]["prometheus"])
-        assert set().union(*(promql_metric_names(r["expr"]) for r in rules)) <= on_path | {deploy.QUEUE_RATIO_RECORD}
-        assert list(records) == [deploy.QUEUE_RATIO_RECORD] and not [r for r in rules if "alert" in r]
-        return
+    if toolchain_traits(d.toolchain).repository == "llmapi":
+        # every series a rule reads exists on that path: Triton's per-model metrics (the contract's facts; NVIDIA's
+        # model adds none) and the counters our tensorrt_llm model exports from the iteration stats
+        on_path = set(llmapi_contract()["metrics"]["triton_llmapi_model"]["prometheus"]) | llmapi_model_metric_names()
+        assert set().union(*(promql_metric_names(r["expr"]) for r in rules)) <= on_path | set(records)
     assert {deploy.DRAFT_TOKENS_METRIC, deploy.ACCEPTED_TOKENS_METRIC} <= promql_metric_names(records[deploy.ACCEPTANCE_RECORD])
     (alert,) = [r for r in rules if "alert" in r]
     assert alert["expr"].endswith(f"< {d.acceptance_floor}")

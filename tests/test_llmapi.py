@@ -5,8 +5,11 @@ others are refused in one line. GPU-only: checked through its contract (pipeline
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,11 @@ import yaml
 from pipeline.llmapi import ContractError, check_llm_args, contract, llm_args, spelling
 from pipeline.repo.assemble import assemble, kv_fractions
 from pipeline.repo.config import parse_pbtxt
-from pipeline.repo.llmapi import OPTIONS_FILE, LlmapiRepoError, validate_llmapi_repo
+from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_TOKENS_METRIC, ROUNDS_METRIC
+from pipeline.repo.llmapi import NVIDIA_MODEL_FILE, OPTIONS_FILE, LlmapiRepoError, validate_llmapi_repo, write_llmapi_repo
 from pipeline.rules import load_spec
+from pipeline.server import TritonServer, free_ports
+from pipeline.serving.iteration_stats import SpecDecodeCounts, spec_decode_counts
 from pipeline.spec import SpecError
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
@@ -240,8 +246,60 @@ def test_launch_script_stays_in_foreground_forwards_sigterm_and_drains(exit_time
     _cwd, _orchestrator, args = recorded_args(tmp_path)
     assert f"--exit-timeout-secs={exit_timeout or 13}" in args  # ceil(12.5)
     assert f"--model-repository={repo}" in args and "--disable-auto-complete-config" in args
-    assert (repo / "tensorrt_llm" / "1" / "model.py").read_text() == "# stand-in for NVIDIA's model.py\n"
+    model_dir = repo / "tensorrt_llm" / "1"  # NVIDIA's model.py next to ours, which subclasses it
+    assert (model_dir / NVIDIA_MODEL_FILE).read_text() == "# stand-in for NVIDIA's model.py\n"
+    assert "pipeline.serving.llmapi_model import TritonPythonModel" in (model_dir / "model.py").read_text()
     # every flag is one launch_triton_server.py passes to tritonserver (its --no-mpi form)
     launcher = json.loads((REPO / "pipeline/contracts/trtllm-1.2.1-cli.json").read_text())["launch_triton_server"]
     assert {a.split("=")[0] for a in args} <= set(launcher["tritonserver_command"]["flags"])
     assert "--no-mpi" in {a["name"] for a in launcher["args"]}
+
+
+def iteration(index: int, drafted: int, accepted: int, requests: int) -> dict:
+    """One PyTorch-backend iteration stat, with the fields pipeline/contracts/llmapi.json records."""
+    return {"iter": index, "iterLatencyMS": 12.0, "numActiveRequests": requests,
+            "specDecodingStats": {"numDraftTokens": drafted, "numAcceptedTokens": accepted,
+                                  "numRequestsWithDraftTokens": requests, "iterLatencyMS": 3.0, "draftOverhead": 0.2,
+                                  "acceptanceLength": (accepted + requests) / requests if requests else 0.0}}
+
+
+def test_iteration_stats_sum_to_the_bls_counters():
+    stats = [iteration(0, 0, 0, 0), iteration(1, 12, 7, 4), {"iter": 2}, json.dumps(iteration(3, 6, 6, 2))]
+    assert spec_decode_counts(stats) == SpecDecodeCounts(drafted=18, accepted=13, rounds=6)
+    assert set(stats[1]["specDecodingStats"]) == set(contract()["iteration_stats"]["specDecodingStats"])
+    with pytest.raises(ValueError, match="iteration 5"):
+        spec_decode_counts([iteration(5, 2, 3, 1)])
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The value of `name{model="tensorrt_llm"}` in Prometheus text, None when absent."""
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{model="tensorrt_llm"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_llmapi_model_exports_spec_decode_metrics_from_iteration_stats(derived_pair, eagle3_heads, tmp_path):
+    """Our tensorrt_llm model in a real Triton, over a stand-in for NVIDIA's model (tests/data): the iteration
+    statistics its LLM reports become the BLS's counters on the metrics port, which the PrometheusRule reads."""
+    spec = tiny_spec(REPO / "examples/eagle3.yaml", derived_pair, eagle3_heads, tmp_path)
+    args = llm_args(spec, {"target": derived_pair[0]})
+    assert args["enable_iter_perf_stats"] is True
+    repo = write_llmapi_repo(args, tmp_path / "repo")
+    model_dir = repo / "tensorrt_llm" / "1"
+    shutil.copy(REPO / "tests/data/fake_nvidia_llmapi_model.py", model_dir / NVIDIA_MODEL_FILE)
+    (model_dir / "helpers.py").write_text("")
+    batches = [[iteration(0, 0, 0, 0), iteration(1, 8, 5, 2)], [], [json.dumps(iteration(2, 12, 3, 3))]]
+    (model_dir / "fake_stats.json").write_text(json.dumps(batches))
+    expected = spec_decode_counts([s for batch in batches for s in batch])
+    http, grpc, metrics = free_ports()
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(server.metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+            got = [metric_value(text, n) for n in (DRAFT_TOKENS_METRIC, ACCEPTED_TOKENS_METRIC, ROUNDS_METRIC)]
+            if got == [expected.drafted, expected.accepted, expected.rounds] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert got == [expected.drafted, expected.accepted, expected.rounds]  # 20, 8, 5

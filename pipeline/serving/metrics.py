@@ -58,6 +58,13 @@ class SpecMetrics:
         for pos in range(min(accepted, len(self.per_position))):
             self.per_position[pos].increment(1)
 
+    def count(self, counts) -> None:
+        """Add speculation counted elsewhere (iteration_stats.SpecDecodeCounts: the LLM API's iteration stats,
+        which carry totals, not single rounds: the acceptance-length histogram and per-position counters stay)."""
+        self.rounds.increment(counts.rounds)
+        self.draft_tokens.increment(counts.drafted)
+        self.accepted_tokens.increment(counts.accepted)
+
     def fallback(self) -> None:
         """Count a request that lost its draft model."""
         self.fallbacks.increment(1)

@@ -23,8 +23,9 @@ from pathlib import Path
 from pipeline import stack
 from pipeline.checkpoints import inspect_spec
 from pipeline.llmapi import MODELOPT_KV_QFORMAT, MODELOPT_QFORMAT, TOOLCHAIN, ContractError, check_rules, contract
-from pipeline.repo.assemble import repo_dir
+from pipeline.repo.assemble import MODEL_CODE_DIR, repo_dir
 from pipeline.repo.launch import foreground, server_variables
+from pipeline.repo.llmapi import copy_model_code
 from pipeline.spec import Spec
 from specbuild.execute import write_if_changed
 from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
@@ -112,7 +113,7 @@ def render_script(plan: Plan) -> str:
     repo = repo_dir(spec, TOOLCHAIN)
     variables = {"MODELOPT_DIR": MODELOPT_DIR, "CACHE_DIR": str(cache_dir(spec)),
                  "TARGET_MODEL_DIR": str(spec.models.target.checkpoint), "LLMAPI_REPO": str(repo),
-                 "LLMAPI_MODEL_CODE": model_code_dir()}
+                 "LLMAPI_MODEL_CODE": model_code_dir(), "SPECDEPLOY_ROOT": str(MODEL_CODE_DIR.parent)}
     if any(step.role == "draft" for step in plan.steps):
         variables["DRAFT_MODEL_DIR"] = str(spec.models.draft.checkpoint)
     source = spec.source.name if spec.source else "SPEC"
@@ -145,7 +146,9 @@ def render_script(plan: Plan) -> str:
         "",
         "# NVIDIA's llmapi model code from the container (not part of this project), next to the generated model.yaml.",
         f'test -f "$LLMAPI_REPO/tensorrt_llm/1/model.yaml" || {{ echo "missing $LLMAPI_REPO: run python -m pipeline repo {source}" >&2; exit 1; }}',
-        'cp "$LLMAPI_MODEL_CODE/model.py" "$LLMAPI_MODEL_CODE/helpers.py" "$LLMAPI_REPO/tensorrt_llm/1/"',
+        copy_model_code('"$LLMAPI_MODEL_CODE"', '"$LLMAPI_REPO"'),
+        "# Our model.py subclasses NVIDIA's (metrics) and imports this project: put it on the python path.",
+        'export PYTHONPATH="$SPECDEPLOY_ROOT${PYTHONPATH:+:$PYTHONPATH}"',
         "# launch_triton_server.py --no-mpi would start this in the background and return: run it in the foreground,",
         "# forward SIGTERM/SIGINT; tritonserver then waits up to EXIT_TIMEOUT_SECS for in-flight requests.",
         *foreground('"$TRITONSERVER" ' + " ".join(shell_quote(a) for a in tritonserver_args(Path("$LLMAPI_REPO"), spec))),
