@@ -79,9 +79,13 @@ def topology(spec: Spec, toolchain: str) -> Topology | None:
         return None
     t = Topology(tp_size=e.tp_size, pp_size=e.pp_size, gpus_per_node=gpu.gpus_per_node)
     if toolchain != GPU_TOOLCHAIN:
+        # trtllm-llmapi could span nodes upstream (launch_triton_server.py --world_size N --trtllm_llmapi_launch:
+        # one `trtllm-llmapi-launch tritonserver` per MPI rank, the llmapi model's rank 0 driving the others through
+        # MpiCommSession(COMM_WORLD); pipeline/contracts/llmapi.json `multinode`), but that launch is not generated here
         raise SpecError("toolchain", f"tp_size x pp_size = {t.world} exceeds gpu.gpus_per_node {gpu.gpus_per_node}, and only "
-                        f"the {GPU_TOOLCHAIN} toolchain's servers span nodes here (MPI leader mode)",
-                        f"use toolchain: {GPU_TOOLCHAIN}, or fit the engines on one node")
+                        f"the {GPU_TOOLCHAIN} toolchain's servers span nodes here (MPI leader mode; {toolchain}'s "
+                        "multi-node launch, trtllm-llmapi-launch under mpirun, is not generated)",
+                        f"use toolchain: {GPU_TOOLCHAIN}, or fit the model on one node")
     if gpu.gpus_per_node != ENGINE_GPUS_PER_NODE:
         raise SpecError("gpu.gpus_per_node", f"tp_size x pp_size = {t.world} spans nodes of {gpu.gpus_per_node} GPUs, but "
                         f"TensorRT-LLM engines put rank r on GPU r % {ENGINE_GPUS_PER_NODE} of its node (the converters "

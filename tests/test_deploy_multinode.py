@@ -425,6 +425,16 @@ def test_reference_toolchain_never_spans_nodes(workdir):
     assert lws.topology(spec, "reference") is None and lws.topology(spec, "trtllm") is not None
 
 
+def test_llmapi_toolchain_refuses_to_span_nodes_saying_why(workdir):
+    """NVIDIA's llmapi model can run an MPI world across nodes (trtllm-llmapi-launch per rank); that launch is not
+    generated here, and the one-line refusal says so instead of claiming the model cannot."""
+    spec = load_spec(workdir / "spec.yaml", ["toolchain=auto"])
+    with pytest.raises(SpecError) as err:
+        lws.topology(spec, "trtllm-llmapi")
+    assert err.value.path == "toolchain" and "\n" not in str(err.value)
+    assert "trtllm-llmapi-launch" in err.value.problem and "not generated" in err.value.problem
+
+
 def test_example_memory_plan_shows_why_two_nodes(llama):
     """70B bf16 + 1B draft with 128k context on 24 GB A10Gs: one 8-GPU node cannot hold one full sequence, two can."""
     from pipeline.checkpoints import inspect_spec
