@@ -72,6 +72,9 @@ def test_relaxed_acceptance_needs_the_reasoning_tokenizer_and_is_generated_per_r
     with pytest.raises(SpecError) as err:
         mtp_spec(r1, tmp_path, "speculative.mtp.relaxed_topk=10")
     assert one_line_error(err).startswith("speculative.mtp.relaxed_topk: ")
+    with pytest.raises(SpecError) as err:
+        mtp_spec(r1, tmp_path, "speculative.mode=ngram", "speculative.mtp.relaxed_acceptance=true")
+    assert one_line_error(err).startswith("speculative.mtp: is set but speculative.mode is 'ngram'")
 
 
 def test_the_contract_refuses_keys_and_values_no_release_reads():
