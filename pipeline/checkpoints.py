@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.modes import traits
 from pipeline.spec import Spec, SpecError, named_checkpoints
+from pipeline.toolchains import TOOLCHAINS, toolchain_traits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")  # torch.load can run arbitrary code
@@ -466,7 +467,7 @@ def inspect_spec(spec: Spec) -> Report:
 
     check_pickle_policy(spec)
     report = Report()
-    llmapi = spec.toolchain == "trtllm-llmapi"
+    llmapi = spec.toolchain in TOOLCHAINS and not toolchain_traits(spec.toolchain).engine_build  # serves HF checkpoints
     target = read_checkpoint(spec.models.target.checkpoint, "models.target.checkpoint", llmapi=llmapi)
     report.models["target"] = target
     report.checks.append(f"target architecture {target.architecture} is supported"

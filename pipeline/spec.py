@@ -87,7 +87,7 @@ class MtpSpec:
 
     relaxed_acceptance: bool = False  # MTPDecodingConfig.use_relaxed_acceptance_for_thinking
     relaxed_topk: int = 1  # a draft token is accepted if it is among the target's top-k ...
-    relaxed_delta: float = 0.0  # ... and within delta (log-probability) of the top-1
+    relaxed_delta: float = 0.0  # ... and its probability is at least the top-1's minus delta
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     check_mode_toolchain(spec, toolchain)
     inspection = inspection or inspect_spec(spec)
     for role, info in inspection.models.items():
-        if info.llmapi_only and toolchain != "trtllm-llmapi":
+        if info.llmapi_only and toolchain_traits(toolchain).engine_build:  # no engine path for it here
             raise SpecError(f"models.{role}.checkpoint", f"{info.architecture} is planned for TensorRT-LLM's LLM API only",
                             "use toolchain: trtllm-llmapi")
     own_digests = digests is None
