@@ -162,7 +162,7 @@ def test_memory_plan_counts_stored_bytes_and_the_latent_kv_cache(tmp_path):
 
 
 def test_make_plan_and_repo_for_the_example(ds3, tmp_path):
-    """`make plan` / `make repo` with SPEC=examples/mtp.yaml (ARGS pointing at the stand-in checkpoint)."""
+    """`make plan` / `make repo` (engines, then repo) with SPEC=examples/mtp.yaml, ARGS pointing at the stand-in."""
     sets = ["--set", f"models.target.checkpoint={ds3}", "--set", f"output.dir={tmp_path / 'out'}",
             "--set", f"output.cache_dir={tmp_path / 'cache'}"]
     plan = subprocess.run([sys.executable, "-m", "pipeline", "plan", str(EXAMPLE), "--dry-run", *sets],
@@ -170,7 +170,10 @@ def test_make_plan_and_repo_for_the_example(ds3, tmp_path):
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.startswith("#!/usr/bin/env bash\n") and "exec mpirun" in plan.stdout
     assert subprocess.run(["bash", "-n"], input=plan.stdout, text=True).returncode == 0
-    repo = subprocess.run([sys.executable, "-m", "pipeline", "repo", str(EXAMPLE), *sets], capture_output=True, text=True, cwd=REPO)
-    assert repo.returncode == 0, repo.stderr
+    for command in ("engines", "repo"):  # `make repo` runs `engines` first: it writes the launch script
+        done = subprocess.run([sys.executable, "-m", "pipeline", command, str(EXAMPLE), *sets], capture_output=True,
+                              text=True, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "mtp" / TC / "launch_triton.sh").read_text() == plan.stdout
     written = yaml.safe_load((tmp_path / "out" / "mtp" / TC / "model_repo" / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert written["speculative_config"]["decoding_type"] == "MTP"
