@@ -1,6 +1,7 @@
 """Inspect: check the spec's checkpoints before anything is built.
 
-- architecture support (Llama / Mistral / Qwen2 family),
+- architecture support (Llama / Mistral / Qwen2 family; for toolchain trtllm-llmapi also the MTP-capable
+  architectures of pipeline/contracts/llmapi.json, read config-only: no engine here can run them),
 - draft and target tokenizers: same token -> id mapping and special tokens (padded vocab: warning),
 - Medusa heads and EAGLE weights: shapes against the target's hidden size and vocab
   (formats in pipeline/contracts/head-checkpoint-formats.md),
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from pipeline.modes import traits
 from pipeline.spec import Spec, SpecError, named_checkpoints
+from pipeline.toolchains import TOOLCHAINS, toolchain_traits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")  # torch.load can run arbitrary code
@@ -33,6 +35,8 @@ class CheckpointInfo:
     folder: Path
     config: dict
     tensors: dict[str, tuple[str, tuple[int, ...]]] | None  # name -> (safetensors dtype, shape)
+    llmapi_only: bool = False  # an architecture only TensorRT-LLM's PyTorch backend serves here (config-only)
+    mtp_layers: int = 0  # MTP modules the checkpoint carries after its decoder layers
 
     @property
     def architecture(self) -> str:
@@ -134,16 +138,24 @@ def read_json(path: Path, where: str) -> dict:
         raise SpecError(where, f"{path} is not valid JSON", "repair or re-download the checkpoint") from None
 
 
-def read_checkpoint(folder: Path, where: str) -> CheckpointInfo:
-    """Config and tensor shapes of a base model checkpoint; refuses unsupported architectures."""
+def mtp_architectures() -> dict[str, dict]:
+    """Architecture -> {model_type, layers_key, ...}: the MTP-capable targets the LLM API toolchain takes."""
+    from pipeline.llmapi import contract
+
+    return contract()["mtp"]["architectures"]
+
+
+def read_checkpoint(folder: Path, where: str, llmapi: bool = False) -> CheckpointInfo:
+    """Config and tensor shapes of a base model checkpoint; refuses unsupported architectures.
+    llmapi: also accept the MTP-capable architectures (toolchain trtllm-llmapi), read config-only."""
     config = read_json(folder / "config.json", where)
     info = CheckpointInfo(folder=folder, config=config, tensors=None)
     if info.architecture not in SUPPORTED_ARCHITECTURES:
-        raise SpecError(where, f"architecture {info.architecture} is not supported",
-                        f"use a {', '.join(SUPPORTED_ARCHITECTURES)} checkpoint")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-        if not isinstance(config.get(key), int):
-            raise SpecError(where, f"config.json lacks an integer {key}", "use a complete Hugging Face config.json")
+        if llmapi and info.architecture in mtp_architectures():
+            return read_mtp_checkpoint(info, where)
+        supported = SUPPORTED_ARCHITECTURES + (tuple(mtp_architectures()) if llmapi else ())
+        raise SpecError(where, f"architecture {info.architecture} is not supported", f"use a {', '.join(supported)} checkpoint")
+    check_config_keys(config, where)
     if config.get("auto_map"):
         raise SpecError(where, "config.json asks for custom (remote) modelling code via auto_map, which is never run",
                         f"use a checkpoint of a built-in {info.architecture} without auto_map")
@@ -153,6 +165,37 @@ def read_checkpoint(folder: Path, where: str) -> CheckpointInfo:
         if not info.tied:
             expect["lm_head.weight"] = (info.vocab_size, info.hidden_size)
         check_shapes(info.tensors, expect, where)
+    return info
+
+
+def check_config_keys(config: dict, where: str) -> None:
+    """The config.json sizes every stage reads are integers."""
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        if not isinstance(config.get(key), int):
+            raise SpecError(where, f"config.json lacks an integer {key}", "use a complete Hugging Face config.json")
+
+
+def read_mtp_checkpoint(info: CheckpointInfo, where: str) -> CheckpointInfo:
+    """An MTP-capable checkpoint (DeepSeek-V3 style) for the LLM API: config.json and safetensors headers only
+    (a sharded checkpoint's every header), its MTP module count and the MTP modules' fusion tensors.
+    Its auto_map (remote modelling code) is never run here; TensorRT-LLM serves it with its own model class."""
+    facts = mtp_architectures()[info.architecture]
+    check_config_keys(info.config, where)
+    layers = info.config.get(facts["layers_key"], 0)
+    if not isinstance(layers, int) or layers < 0:
+        raise SpecError(where, f"config.json {facts['layers_key']} is {layers!r}, not a count", "use the checkpoint's own config.json")
+    info.llmapi_only, info.mtp_layers = True, layers
+    info.tensors = read_tensors(info.folder, where)
+    if info.tensors is None:
+        raise SpecError(where, f"{info.folder} holds pickle weights only; the memory plan reads safetensors headers",
+                        "use the checkpoint's safetensors release")
+    H, V, L = info.hidden_size, info.vocab_size, info.num_layers
+    expect = {"model.embed_tokens.weight": (V, H)}
+    if not info.tied:
+        expect["lm_head.weight"] = (V, H)
+    for i in range(layers):  # the MTP modules follow the decoder layers: model.layers.{L + i}.* (shapes in units of H)
+        expect |= {f"model.layers.{L + i}.{name}": tuple(H * n for n in dims) for name, dims in facts["mtp_tensors"].items()}
+    check_shapes(info.tensors, expect, where)
     return info
 
 
@@ -378,6 +421,33 @@ def check_eagle(spec: Spec, target: CheckpointInfo) -> tuple[dict, list[str]]:
 # ----------------------------------------------------------------------------- the whole spec
 
 
+def check_mtp(spec: Spec, target: CheckpointInfo) -> list[str]:
+    """Mode mtp: the target carries MTP modules; relaxed acceptance needs DeepSeek-R1's thinking tokens. Returns
+    warnings (more draft tokens than modules: TensorRT-LLM reuses them; pipeline/contracts/llmapi-facts.md)."""
+    from pipeline.llmapi import contract
+
+    where = "models.target.checkpoint"
+    if not target.mtp_layers:
+        key = mtp_architectures().get(target.architecture, {}).get("layers_key", "num_nextn_predict_layers")
+        raise SpecError(where, f"the {target.architecture} checkpoint carries no MTP modules ({key} is 0 or missing)",
+                        f"use a checkpoint with MTP layers ({', '.join(mtp_architectures())}), or another speculative.mode")
+    m = spec.speculative.mtp
+    if m is not None and m.relaxed_acceptance:
+        thinking = contract()["mtp"]["thinking_phase_tokens"]
+        mapping, _specials, _sp = tokenizer_facts(target.folder, where)
+        found = {tok: (mapping or {}).get(tok) for tok in thinking}
+        if found != thinking:
+            raise SpecError("speculative.mtp.relaxed_acceptance", f"TensorRT-LLM relaxes acceptance only between the thinking "
+                            f"tokens {thinking}, and this tokenizer maps them to {found}",
+                            "set relaxed_acceptance: false (it is for DeepSeek-R1-style reasoning models)")
+    k, n = spec.speculative.num_draft_tokens, target.mtp_layers
+    if k > n == 1:
+        return [f"{k} draft tokens from 1 MTP module: TensorRT-LLM runs the one module {k} times (MTP-Eagle)"]
+    if k > n:
+        return [f"{k} draft tokens from {n} MTP modules: TensorRT-LLM reuses module i mod {n} for step i"]
+    return []
+
+
 def check_group_size(model, info: CheckpointInfo, where: str) -> None:
     """int4 qformats: every decoder linear's input width must be a multiple of group_size."""
     if model.qformat not in ("int4_wo", "int4_awq") or info.tensors is None:
@@ -397,12 +467,21 @@ def inspect_spec(spec: Spec) -> Report:
 
     check_pickle_policy(spec)
     report = Report()
-    target = read_checkpoint(spec.models.target.checkpoint, "models.target.checkpoint")
+    llmapi = spec.toolchain in TOOLCHAINS and not toolchain_traits(spec.toolchain).engine_build  # serves HF checkpoints
+    target = read_checkpoint(spec.models.target.checkpoint, "models.target.checkpoint", llmapi=llmapi)
     report.models["target"] = target
-    report.checks.append(f"target architecture {target.architecture} is supported")
+    report.checks.append(f"target architecture {target.architecture} is supported"
+                         + (" (LLM API only, read config-only)" if target.llmapi_only else ""))
     s = spec.speculative
     heads = {}
     mode = traits(s.mode)
+    if target.llmapi_only and (spec.models.target.qformat != "none"):
+        raise SpecError("models.target.qformat", f"{spec.models.target.qformat}: a {target.architecture} checkpoint is served "
+                        "as published here (no ModelOpt step is planned for it)",
+                        "set models.target.qformat: none (DeepSeek-V3 publishes FP8 weights)")
+    if mode.drafts_in_target:
+        report.warnings += check_mtp(spec, target)
+        report.checks.append(f"target carries {target.mtp_layers} MTP module(s); {s.num_draft_tokens} draft token(s) per step")
     if mode.has_draft_engine:
         draft = read_checkpoint(spec.models.draft.checkpoint, "models.draft.checkpoint")
         report.models["draft"] = draft

@@ -94,7 +94,13 @@ def decoding_config(spec: Spec, draft_dir: Path | None, release: str = stack.TRT
         if s.eagle.layers_to_capture is not None:
             config["eagle3_layers_to_capture"] = sorted(s.eagle.layers_to_capture)
         return config
-    raise SpecError("speculative.mode", f"{s.mode} has no LLM API decoding config", "use eagle (version 3), draft_target or ngram")
+    if mode.drafts_in_target:  # the target's own MTP modules draft a chain of num_draft_tokens (= max_draft_len)
+        config = {"decoding_type": names["mtp"], "num_nextn_predict_layers": s.num_draft_tokens}
+        if s.mtp is not None and s.mtp.relaxed_acceptance:
+            config |= {"use_relaxed_acceptance_for_thinking": True, "relaxed_topk": s.mtp.relaxed_topk,
+                       "relaxed_delta": s.mtp.relaxed_delta}
+        return config
+    raise SpecError("speculative.mode", f"{s.mode} has no LLM API decoding config", "use eagle (version 3), draft_target, ngram or mtp")
 
 
 def llm_args(spec: Spec, model_dirs: dict[str, Path], kv_fraction: float | None = None,
@@ -160,5 +166,8 @@ def check_llm_args(args: dict, release: str = stack.TRTLLM_VERSION) -> None:
     allowed = {words["speculative_model_key"] if f == "SPECULATIVE_MODEL" else f for f in facts["decoding_fields"][mode]}
     if set(spec_config) - allowed:
         raise ContractError(f"{mode} speculative_config keys {sorted(set(spec_config) - allowed)} are not read by {release}")
-    if "max_draft_len" in spec_config and not spec_config["max_draft_len"] > 0:
-        raise ContractError("max_draft_len must be > 0")
+    for key in ("max_draft_len", "num_nextn_predict_layers", "relaxed_topk"):  # PositiveInt / > 0 in the facts
+        if key in spec_config and not (isinstance(spec_config[key], int) and spec_config[key] > 0):
+            raise ContractError(f"{key} must be an integer > 0, not {spec_config[key]!r}")
+    if spec_config.get("relaxed_delta", 0.0) < 0:
+        raise ContractError(f"relaxed_delta must be >= 0, not {spec_config['relaxed_delta']!r}")

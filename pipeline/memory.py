@@ -8,6 +8,12 @@ kv_heads x head_dim x bytes of the KV dtype. Per GPU, weights and KV divide by t
 The memory left after weights and an estimated runtime overhead is split between the engines'
 KV caches in proportion to their bytes per token (every sequence lives in both caches), keeping 10%
 headroom. The recommended `kv_cache_free_gpu_mem_fraction` values are fractions of that free memory.
+
+A checkpoint only the LLM API serves (CheckpointInfo.llmapi_only: DeepSeek-V3 style) counts its weights at
+the bytes its safetensors headers store (it is served as published), MTP modules included. Its
+multi-head latent attention caches one latent row of kv_lora_rank + qk_rope_head_dim per token and layer
+(TensorRT-LLM's SELFKONLY cache with one KV head, pipeline/contracts/llmapi-facts.md), which tensor
+parallelism does not split.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from pipeline.spec import ModelSpec, Spec, SpecError
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# bytes per element of the safetensors dtypes
+STORED_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 RUNTIME_OVERHEAD = 1 * GIB  # CUDA context, TensorRT runtime and cuBLAS workspaces per engine (estimate)
 HEADROOM = 0.9  # TensorRT-LLM's default kv_cache_free_gpu_mem_fraction
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
@@ -55,6 +64,17 @@ def weight_bytes(info, model: ModelSpec) -> int:
     return int(total)
 
 
+def stored_weight_bytes(info) -> int:
+    """Weight bytes as the checkpoint's safetensors headers store them (a checkpoint served as published)."""
+    total = 0
+    for dtype, shape in info.tensors.values():
+        numel = 1
+        for n in shape:
+            numel *= n
+        total += numel * STORED_BYTES.get(dtype, 2)
+    return total
+
+
 def estimate_weight_bytes(info, model: ModelSpec) -> int:
     """Weight bytes from the config alone (pickle checkpoints whose headers are not read)."""
     H, I, L, V = info.hidden_size, info.config["intermediate_size"], info.num_layers, info.vocab_size
@@ -64,8 +84,10 @@ def estimate_weight_bytes(info, model: ModelSpec) -> int:
 
 
 def kv_bytes_per_token(info, model: ModelSpec, extra_layers: int = 0) -> int:
-    """KV cache bytes for one token of one sequence (all layers, K and V)."""
+    """KV cache bytes for one token of one sequence (all layers, K and V; MLA: one latent row per layer)."""
     elem = 1 if model.kv_cache_dtype in ("fp8", "int8") else DTYPE_BYTES[model.dtype]
+    if "kv_lora_rank" in info.config:  # multi-head latent attention (DeepSeek-V3)
+        return (info.num_layers + extra_layers) * (info.config["kv_lora_rank"] + info.config["qk_rope_head_dim"]) * elem
     return 2 * (info.num_layers + extra_layers) * info.num_kv_heads * info.head_dim * elem
 
 
@@ -128,16 +150,22 @@ def memory_plan(spec: Spec, infos: dict, heads: dict) -> MemoryPlan:
     engines = []
     for role, info in infos.items():
         model = getattr(spec.models, role)
-        weights = weight_bytes(info, model) if info.tensors is not None else estimate_weight_bytes(info, model)
+        if info.llmapi_only:
+            weights = stored_weight_bytes(info)
+        else:
+            weights = weight_bytes(info, model) if info.tensors is not None else estimate_weight_bytes(info, model)
         extra_layers = 0
         if role == "target":
             hb, extra_layers = head_bytes(spec, info, heads)
             weights += hb
+            if traits(spec.speculative.mode).drafts_in_target:  # MTP modules are decoder layers with a KV cache
+                extra_layers += info.mtp_layers
+        kv_shards = e.pp_size if "kv_lora_rank" in info.config else shards
         draft_len = spec.speculative.max_draft_len
         activations = e.max_num_tokens * (4 * info.hidden_size + 2 * info.config["intermediate_size"]) * DTYPE_BYTES[model.dtype]
         logits = e.max_batch_size * (draft_len + 1) * info.vocab_size * 4
         engines.append(EngineMemory(role=role, weight_bytes=weights // shards,
-                                    kv_bytes_per_token=kv_bytes_per_token(info, model, extra_layers) // shards,
+                                    kv_bytes_per_token=kv_bytes_per_token(info, model, extra_layers) // kv_shards,
                                     overhead_bytes=RUNTIME_OVERHEAD + activations + logits))
     used = sum(x.weight_bytes + x.overhead_bytes for x in engines)
     free = gpu_bytes - used

@@ -20,6 +20,8 @@ class ModeTraits:
     engine_decoding_mode: str | None  # the target engine's speculative_decoding_mode (trtllm-build), None: plain
     heads_field: str | None  # the speculative.<field> section whose heads the target engine carries (medusa, eagle)
     requires: str | None  # the spec section the mode needs
+    drafts_in_target: bool = False  # the target checkpoint carries the drafter (MTP modules after its decoder layers)
+    toolchains: tuple[str, ...] | None = None  # the only toolchains that run the mode (None: every toolchain)
 
 
 MODES: dict[str, ModeTraits] = {
@@ -33,6 +35,10 @@ MODES: dict[str, ModeTraits] = {
                          engine_decoding_mode="medusa", heads_field="medusa", requires="speculative.medusa"),
     "eagle": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
                         engine_decoding_mode="eagle", heads_field="eagle", requires="speculative.eagle"),
+    # DeepSeek-V3-style multi-token prediction: the LLM API's MTPDecodingConfig, PyTorch backend only
+    "mtp": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
+                      engine_decoding_mode=None, heads_field=None, requires=None, drafts_in_target=True,
+                      toolchains=("trtllm-llmapi",)),
 }
 
 

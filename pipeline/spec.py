@@ -23,7 +23,7 @@ from pipeline.modes import traits
 Dtype = Literal["float16", "bfloat16", "float32"]
 QFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"]
 KvCacheDtype = Literal["none", "fp8", "int8"]
-Mode = Literal["draft_target", "medusa", "eagle", "ngram", "none"]
+Mode = Literal["draft_target", "medusa", "eagle", "ngram", "mtp", "none"]
 Toolchain = Literal["trtllm", "trtllm-llmapi", "reference", "auto"]
 
 # qformats that need a calibration pass (TensorRT-LLM's quantize.py); the others convert directly.
@@ -81,6 +81,16 @@ class NgramSpec:
 
 
 @dataclass(frozen=True)
+class MtpSpec:
+    """Multi-token prediction with the target's own MTP modules (toolchain trtllm-llmapi): relaxed acceptance,
+    which TensorRT-LLM applies only inside a reasoning model's <think> ... </think> phase."""
+
+    relaxed_acceptance: bool = False  # MTPDecodingConfig.use_relaxed_acceptance_for_thinking
+    relaxed_topk: int = 1  # a draft token is accepted if it is among the target's top-k ...
+    relaxed_delta: float = 0.0  # ... and its probability is at least the top-1's minus delta
+
+
+@dataclass(frozen=True)
 class SpeculativeSpec:
     """How draft tokens are proposed and how many."""
 
@@ -91,6 +101,7 @@ class SpeculativeSpec:
     medusa: MedusaSpec | None = None
     eagle: EagleSpec | None = None
     ngram: NgramSpec | None = None
+    mtp: MtpSpec | None = None
     # Policy (reference toolchain and BLS): speculation pays only in some regimes.
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
     max_batch_for_speculation: int = 32  # above this running batch size, speculation is off
@@ -379,6 +390,17 @@ def check_combinations(spec: Spec) -> None:
         raise SpecError(mode.requires, f"is required for speculative.mode {s.mode!r}", f"add the {mode.requires} section")
     if s.ngram is not None and not mode.bls_lookup:
         raise SpecError("speculative.ngram", f"is set but speculative.mode is {s.mode!r}", "remove it or use mode ngram")
+    if s.mtp is not None and not mode.drafts_in_target:
+        raise SpecError("speculative.mtp", f"is set but speculative.mode is {s.mode!r}", "remove it or use mode mtp")
+    check_mode_toolchain(spec, spec.toolchain)
+    if s.mtp is not None:
+        if s.mtp.relaxed_topk < 1:
+            raise SpecError("speculative.mtp.relaxed_topk", "must be at least 1", "use 1 (strict) or e.g. 10")
+        if s.mtp.relaxed_delta < 0:
+            raise SpecError("speculative.mtp.relaxed_delta", f"{s.mtp.relaxed_delta} is negative", "use e.g. 0.6")
+        if not s.mtp.relaxed_acceptance and (s.mtp.relaxed_topk, s.mtp.relaxed_delta) != (1, 0.0):
+            raise SpecError("speculative.mtp.relaxed_topk", "relaxed_topk / relaxed_delta act only with relaxed acceptance",
+                            "set speculative.mtp.relaxed_acceptance: true, or remove them")
     if not mode.speculates:
         if s.max_draft_len or s.num_draft_tokens:
             raise SpecError("speculative.max_draft_len", "draft lengths are set but speculative.mode is 'none'",
@@ -429,6 +451,15 @@ def check_combinations(spec: Spec) -> None:
     ports = [spec.serving.http_port, spec.serving.grpc_port, spec.serving.metrics_port]
     if len(set(ports)) != 3 or not all(0 < p < 65536 for p in ports):
         raise SpecError("serving.http_port", f"ports {ports} must be distinct and in 1..65535", "pick three free ports")
+
+
+def check_mode_toolchain(spec: Spec, toolchain: str) -> None:
+    """A mode that only some toolchains run (modes.ModeTraits.toolchains) is refused on the others."""
+    allowed = traits(spec.speculative.mode).toolchains
+    if allowed is not None and toolchain not in allowed:
+        raise SpecError("toolchain", f"{toolchain} cannot run speculative.mode {spec.speculative.mode} (TensorRT-LLM runs it "
+                        "on its PyTorch backend only: no TensorRT engine, no reference engine)",
+                        f"use toolchain: {' or '.join(allowed)}")
 
 
 def check_tree_choices(path: str, choices: tuple[tuple[int, ...], ...], max_draft_len: int) -> None:

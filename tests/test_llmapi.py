@@ -27,6 +27,7 @@ from pipeline.spec import SpecError
 from specbuild.plan import make_plan
 from specbuild.toolchains.trtllm_llmapi import model_dirs, render_script, trtllm_serve_command
 from pipeline import stack
+from pipeline.fixtures.config_only import write_config_only_mtp_checkpoint
 from pipeline.fixtures.models import make_random_eagle3
 from tests.fake_tritonserver import EXIT_STATUS, recorded_args, wait_for, write_fake_tritonserver
 
@@ -46,9 +47,11 @@ def eagle3_heads(derived_pair, tmp_path_factory):
 
 
 def tiny_spec(example: Path, derived_pair, heads, tmp_path, extra=()):
-    """The example on tiny checkpoints, outputs in tmp_path, toolchain trtllm-llmapi."""
+    """The example on tiny checkpoints, outputs in tmp_path, toolchain trtllm-llmapi. An MTP example (DeepSeek-V3,
+    not downloadable here) gets a tiny config-only DeepSeek-V3-style target: all that inspect, plan and repo read."""
     spec = load_spec(example, check_paths=False)
-    sets = [f"models.target.checkpoint={derived_pair[0]}", f"output.dir={tmp_path / 'out'}",
+    target = write_config_only_mtp_checkpoint(tmp_path / "ds3") if spec.speculative.mode == "mtp" else derived_pair[0]
+    sets = [f"models.target.checkpoint={target}", f"output.dir={tmp_path / 'out'}",
             f"output.cache_dir={tmp_path / 'cache'}", f"toolchain={TC}"]
     if spec.models.draft is not None:
         sets.append(f"models.draft.checkpoint={derived_pair[1]}")
@@ -82,6 +85,8 @@ def test_supported_examples_plan_render_and_validate(example, derived_pair, eagl
     sc = config.get("speculative_config")
     if s.mode == "none":
         assert sc is None
+    elif s.mode == "mtp":  # TensorRT-LLM derives max_draft_len from num_nextn_predict_layers
+        assert sc == {"decoding_type": "MTP", "num_nextn_predict_layers": s.num_draft_tokens}
     else:
         assert sc["max_draft_len"] == s.num_draft_tokens
     if s.mode == "eagle":

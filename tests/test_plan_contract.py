@@ -49,7 +49,13 @@ def refused_by_trtllm(example: Path) -> bool:
     return eagle is not None and eagle.version == 3
 
 
-@pytest.mark.parametrize("example", [e for e in EXAMPLES if not refused_by_trtllm(e)], ids=lambda p: p.name)
+def llmapi_only(example: Path) -> bool:
+    """MTP examples: the LLM API toolchain only (their spec says toolchain trtllm-llmapi; tests/test_mtp.py)."""
+    return load_spec(example, check_paths=False).speculative.mode == "mtp"
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if not refused_by_trtllm(e) and not llmapi_only(e)],
+                         ids=lambda p: p.name)
 def test_every_example_plans_a_script_that_passes_the_contract(example, derived_pair, heads, tmp_path):
     spec, script = script_for(example, derived_pair, heads, tmp_path)
     assert script.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in script

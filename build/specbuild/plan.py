@@ -24,7 +24,7 @@ from pipeline.checkpoints import Report, inspect_spec
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.rules import check_toolchain_rules
-from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec
+from pipeline.spec import CALIBRATED_QFORMATS, ModelSpec, Spec, SpecError, check_mode_toolchain
 from pipeline.gpus import engine_dtype
 from pipeline.toolchains import CPU_TOOLCHAIN, GPU_TOOLCHAIN, toolchain_traits
 
@@ -226,8 +226,13 @@ def make_plan(spec: Spec, toolchain: str | None = None, digests: DigestCache | N
     here, before any work); pass `inspection` to plan the same spec for another toolchain without re-reading.
     """
     toolchain = toolchain or resolve_toolchain(spec)[0]
+    check_mode_toolchain(spec, toolchain)
     check_toolchain_rules(spec, toolchain)  # what the planned toolchain refuses (pipeline/rules.py)
     inspection = inspection or inspect_spec(spec)
+    for role, info in inspection.models.items():
+        if info.llmapi_only and toolchain_traits(toolchain).engine_build:  # no engine path for it here
+            raise SpecError(f"models.{role}.checkpoint", f"{info.architecture} is planned for TensorRT-LLM's LLM API only",
+                            "use toolchain: trtllm-llmapi")
     own_digests = digests is None
     if own_digests:
         digests = DigestCache(spec.output.cache_dir / "digests.json")

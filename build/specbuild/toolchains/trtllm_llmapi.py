@@ -21,14 +21,13 @@ import sys
 from pathlib import Path
 
 from pipeline import stack
-from pipeline.checkpoints import inspect_spec
 from pipeline.llmapi import MODELOPT_KV_QFORMAT, MODELOPT_QFORMAT, TOOLCHAIN, ContractError, check_rules, contract
 from pipeline.repo.assemble import MODEL_CODE_DIR, repo_dir
 from pipeline.repo.launch import foreground, server_variables
 from pipeline.repo.llmapi import copy_model_code
 from pipeline.spec import Spec
 from specbuild.execute import write_if_changed
-from specbuild.plan import Plan, Step, make_plan, resolve_toolchain
+from specbuild.plan import Plan, Step, resolve_toolchain
 from specbuild.toolchains.trtllm import RUN_STEP_FUNCTION, VERSION_CHECK, shell_quote
 
 # A checkout of NVIDIA/Model-Optimizer (its examples/llm_ptq/hf_ptq.py) at the version of the container's
@@ -161,10 +160,9 @@ def build_script(plan: Plan) -> str:
     return render_script(plan)
 
 
-def build(spec: Spec) -> int:
+def build(plan: Plan) -> int:
     """The `engines` command: write the script; run its ModelOpt steps here only inside the GPU container."""
-    inspect_spec(spec)
-    plan = make_plan(spec, TOOLCHAIN)
+    spec = plan.spec
     script = spec.out_dir / TOOLCHAIN / "launch_triton.sh"
     write_if_changed(script, render_script(plan))
     script.chmod(0o755)
