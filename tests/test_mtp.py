@@ -168,7 +168,7 @@ def test_make_plan_and_repo_for_the_example(ds3, tmp_path):
     plan = subprocess.run([sys.executable, "-m", "pipeline", "plan", str(EXAMPLE), "--dry-run", *sets],
                           capture_output=True, text=True, cwd=REPO)
     assert plan.returncode == 0, plan.stderr
-    assert plan.stdout.startswith("#!/usr/bin/env bash\n") and "exec mpirun" in plan.stdout
+    assert plan.stdout.startswith("#!/usr/bin/env bash\n") and 'wait "$server"' in plan.stdout  # server in the foreground
     assert subprocess.run(["bash", "-n"], input=plan.stdout, text=True).returncode == 0
     for command in ("engines", "repo"):  # `make repo` runs `engines` first: it writes the launch script
         done = subprocess.run([sys.executable, "-m", "pipeline", command, str(EXAMPLE), *sets], capture_output=True,
