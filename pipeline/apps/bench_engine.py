@@ -5,8 +5,8 @@ our plain decoding, our speculative decoding per K (policy wrapper on: switch-of
 min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
 cost-aware switch-off (PolicyConfig.draft_token_cost, measured per K by
 pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
-request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate, assisted generation with a fixed K
-(assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
+request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
+assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth
 measured in the same run). Pairs:
 - smollm2-draft: SmolLM2-135M-Instruct with its derived 4-layer draft (`make models`), chat prompts;
