@@ -97,6 +97,21 @@ def test_policy_switches_a_request_off_when_acceptance_stays_low():
     assert ask(policy, n=2) == [0, 4]
 
 
+def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar():
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_cost=0.4)
+    policy = PolicyProposer(FixedProposer(), config)
+    ask(policy, n=2)
+    for _ in range(3):
+        policy.update("r0", 1, 4)  # r0: 25 %, above 10 % but below the 40 % a draft token costs
+        policy.update("r1", 2, 4)  # r1: 50 %, pays
+    assert ask(policy, n=2) == [0, 4]
+    free = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3))
+    ask(free)
+    for _ in range(3):
+        free.update("r0", 1, 4)
+    assert ask(free) == [4]  # free draft tokens (cost 0): 25 % keeps speculating
+
+
 def test_policy_keeps_a_decent_request_through_a_run_of_rejections():
     policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
     ask(policy)

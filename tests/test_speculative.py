@@ -20,6 +20,8 @@ from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.fixtures.models import make_random_eagle3
 from pipeline.fixtures.toymodels import make_derived_pair
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
+from pipeline.reference.step_cost import draft_token_cost
+from pipeline.apps.bench_engine import UnsharedDrafts
 
 MAX_NEW = 12
 MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -203,6 +205,36 @@ def test_policy_switches_off_a_useless_draft_and_keeps_the_output(derived_pair, 
     tokens, stats = run(target, policy)
     assert tokens == plain
     assert stats.spec_steps <= 3 * 8  # every request stopped speculating after its window
+
+
+def test_cost_aware_switch_off_stops_a_draft_below_break_even_and_keeps_the_output(derived_pair, plain):
+    target, draft = derived_pair  # ~58 % acceptance: above the 10 % floor, below a 90 % break-even
+
+    def policy(cost):
+        return PolicyProposer(DraftModelProposer.from_hf(draft, max_seq_len=256),
+                              PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_cost=cost))
+    tokens, costly = run(target, policy(0.9))
+    assert tokens == plain
+    assert 0 < costly.spec_steps <= 3 * 8  # every request stopped after its window
+    tokens, free = run(target, policy(0.0))
+    assert tokens == plain and free.spec_steps > 3 * 8  # with free draft tokens the same draft keeps going
+
+
+def test_drafts_made_one_request_at_a_time_equal_the_shared_draft_step(derived_pair, plain):
+    target, draft = derived_pair
+    shared_tokens, shared = run(target, DraftModelProposer.from_hf(draft, max_seq_len=256), stagger=True)
+    alone_tokens, alone = run(target, UnsharedDrafts(DraftModelProposer.from_hf(draft, max_seq_len=256)), stagger=True)
+    assert shared_tokens == alone_tokens == plain
+    assert shared.summary() == alone.summary()  # the same drafts: batching the draft forward changes only its cost
+
+
+def test_draft_token_cost_is_measured_per_draft_token(derived_pair):
+    target_dir, draft_dir = derived_pair
+    target, draft = LlamaModel.from_hf(target_dir), LlamaModel.from_hf(draft_dir)
+    for cost in (draft_token_cost(target, draft, 2, context=64, repeats=2), draft_token_cost(target, None, 2, context=64, repeats=2)):
+        assert 0.0 <= cost < float("inf")
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        draft_token_cost(target, draft, 0)
 
 
 def next_token_law(model: LlamaModel, context: list[int], temperature: float) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 One run measures, for every pair, at batch 1 and with 8 concurrent requests, 128 new tokens each:
 our plain decoding, our speculative decoding per K (policy wrapper on: switch-off below
-min_acceptance_rate), acceptance; transformers' generate, assisted generation with a fixed K
-(assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
+min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
+cost-aware switch-off (PolicyConfig.draft_token_cost, measured per K by
+pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
+request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
+assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth
 measured in the same run). Pairs:
 - smollm2-draft: SmolLM2-135M-Instruct with its derived 4-layer draft (`make models`), chat prompts;
@@ -14,6 +17,7 @@ measured in the same run). Pairs:
 Writes docs/bench-engine.json, docs/bench-engine.md and docs/img/bench-engine-speedup.png.
 
     python -m pipeline.apps.bench_engine [--ks 2,4] [--smollm2-ks 4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
+        [--repeats 3] [--trained-engine out/trained-int8/engines/target]
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 from pipeline.reference.metrics import SpecStats, aggregate
 from pipeline.reference.model import LlamaModel, config_from_hf
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
-from pipeline.reference.proposers import NgramProposer
+from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
+from pipeline.reference.step_cost import draft_token_cost
 from pipeline.corpus import local_text
 
 NEW_TOKENS = 128
@@ -135,22 +140,26 @@ def weak_draft(draft_dir: Path, dtype: str):
     return LlamaForCausalLM(AutoConfig.from_pretrained(draft_dir)).to(TORCH_DTYPES[dtype]).eval()
 
 
-def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, SpecStats]:
-    """Generate NEW_TOKENS for every prompt concurrently in one engine; returns (tokens/s, summed speculation stats)."""
+def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[float, float, SpecStats]:
+    """Generate NEW_TOKENS for every prompt concurrently in one engine.
+
+    Returns (tokens per wall second, tokens per CPU second of this process, summed speculation stats):
+    on a shared machine the CPU-time rate leaves out the time other processes took from this one.
+    """
     config = EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400,
                           num_blocks=BATCH * 48)  # 1536 tokens per request: the longest prompt + 128 + drafts
     engine = LLMEngine(model, config, proposer)
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"r{i}", p, NEW_TOKENS))
     stats, generated = [], 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         for out in engine.step():
             generated += len(out.new_token_ids)
             if out.finished:
                 stats.append(out.stats)
-    seconds = time.perf_counter() - start
-    return generated / seconds, aggregate(stats)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return generated / seconds, generated / cpu_seconds, aggregate(stats)
 
 
 def run_hf(target, prompts: list[list[int]], assistant=None, k: int = 0, lookup: bool = False) -> float:
@@ -171,14 +180,47 @@ def run_hf(target, prompts: list[list[int]], assistant=None, k: int = 0, lookup:
     return generated / seconds
 
 
-def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None) -> PolicyProposer:
-    """The pair's proposer at fixed K inside the policy wrapper (spec defaults: switch-off below 10 %)."""
+class UnsharedDrafts:
+    """A proposer that asks the wrapped one for each request's draft alone (no draft forward shared by requests).
+
+    The baseline of the "shared draft step" measurement: DraftModelProposer batches every request's
+    draft step into one forward; this wrapper undoes that, everything else equal.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.needs_hidden_states = inner.needs_hidden_states
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """One wrapped propose call per request."""
+        return [self.inner.propose([inp])[0] for inp in inputs]
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Pass the feedback on."""
+        self.inner.update(request_id, num_accepted, num_proposed)
+
+    def release(self, request_id: str) -> None:
+        """Pass the release on."""
+        self.inner.release(request_id)
+
+
+def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None, shared: bool = True,
+                 draft_token_cost: float = 0.0) -> PolicyProposer:
+    """The pair's proposer at fixed K inside the policy wrapper (spec defaults: switch-off below 10 %).
+
+    shared=False: a draft model runs one forward per request and draft position (UnsharedDrafts).
+    draft_token_cost > 0: the cost-aware switch-off (below that acceptance, when higher than 10 %).
+    """
     inner = NgramProposer(1, 3) if pair.draft is None else DraftModelProposer(draft_model, max_batch_size=BATCH, max_seq_len=1400)
-    return PolicyProposer(inner, PolicyConfig(num_draft_tokens=k, max_draft_tokens=k))
+    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, draft_token_cost=draft_token_cost)
+    return PolicyProposer(inner if shared else UnsharedDrafts(inner), config)
 
 
-def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_engine: Path | None = None) -> list[dict]:
+def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_engine: Path | None = None,
+               repeats: int = 1) -> list[dict]:
     """Every measurement of one pair: rows of the results table.
+
+    repeats: rounds over all of our runs, interleaved; each row keeps its best round (tok/s).
 
     target_engine: an engine folder to run as our target (its qformat and kernels) instead of the
     pair's HF checkpoint in `dtype`; transformers always runs the checkpoint.
@@ -196,22 +238,40 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
     batch8 = [pair.prompts[i % len(pair.prompts)] for i in range(BATCH)]
     run_ours(target, [pair.prompts[0][:16]])  # warm-up (allocations, kernels)
 
-    def ours(label, batch, k, prompts, proposer):
+    def ours(batch, prompts, proposer):
+        """(tok/s wall, tok/s CPU time, speculation summary) of one run; batch 1 runs the prompts one after another."""
         if batch == 1:
-            results = [run_ours(target, [p], proposer) for p in prompts]
-            tps = len(results) / sum(1 / r[0] for r in results)  # total tokens / total time
-            spec = aggregate([r[1] for r in results]).summary()
-        else:
-            tps, stats = run_ours(target, prompts, proposer)
-            spec = stats.summary()
-        rows.append({"pair": pair.name, "engine": "ours", "method": label, "batch": batch, "k": k, "tok_s": round(tps, 2),
-                     **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward")}})
-        progress.update()
+            results = [run_ours(target, [p], proposer()) for p in prompts]
+            return (len(results) / sum(1 / r[0] for r in results), len(results) / sum(1 / r[1] for r in results),
+                    aggregate([r[2] for r in results]).summary())
+        tps, cpu_tps, stats = run_ours(target, prompts, proposer())
+        return tps, cpu_tps, stats.summary()
 
+    trained = pair.draft is not None and pair.name.startswith("trained")
+    costs = {k: draft_token_cost(target, draft, k) for k in ks} if trained else {}  # break-even acceptance per K
+    jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
-        ours("plain", batch, 0, prompts, None)
+        jobs.append(("plain", batch, 0, prompts, lambda: None))
         for k in ks:
-            ours("ngram" if pair.draft is None else "draft", batch, k, prompts, proposer_for(pair, k, draft))
+            jobs.append(("ngram" if pair.draft is None else "draft", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft)))
+            if trained:
+                jobs.append(("draft cost-aware", batch, k, prompts,
+                             lambda k=k: proposer_for(pair, k, draft, draft_token_cost=costs[k])))
+            if trained and batch > 1:
+                # the "shared draft step" question: the same drafts, one draft forward per request instead of per batch
+                jobs.append(("draft-unshared", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft, shared=False)))
+    best_tps, best_cpu, summaries = [0.0] * len(jobs), [0.0] * len(jobs), [None] * len(jobs)
+    for _ in range(repeats):  # rounds over all jobs: load on a shared machine hits every job alike; best of the rounds
+        for i, (_, batch, _, prompts, proposer) in enumerate(jobs):
+            tps, cpu_tps, summaries[i] = ours(batch, prompts, proposer)
+            best_tps[i], best_cpu[i] = max(best_tps[i], tps), max(best_cpu[i], cpu_tps)
+            progress.update()
+    for (label, batch, k, _, _), tps, cpu_tps, spec in zip(jobs, best_tps, best_cpu, summaries):
+        rows.append({"pair": pair.name, "engine": "ours", "method": label, "batch": batch, "k": k, "tok_s": round(tps, 2),
+                     "cpu_tok_s": round(cpu_tps, 2),
+                     **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward",
+                                                   "acceptance_by_position")},
+                     **({"draft_token_cost": round(costs[k], 3)} if k in costs else {})})
     hf_target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=TORCH_DTYPES[dtype]).eval()
     hf_target.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, like our runs
     rows.append({"pair": pair.name, "engine": "transformers", "method": "generate", "batch": 1, "k": 0,
@@ -234,15 +294,17 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
 def speedups(rows: list[dict]) -> None:
     """Add speedup vs our plain decoding at the same pair and batch."""
-    plain = {(r["pair"], r["batch"]): r["tok_s"] for r in rows if r["engine"] == "ours" and r["method"] == "plain"}
+    plain = {(r["pair"], r["batch"]): r for r in rows if r["engine"] == "ours" and r["method"] == "plain"}
     for r in rows:
-        r["speedup_vs_our_plain"] = round(r["tok_s"] / plain[(r["pair"], r["batch"])], 3)
+        r["speedup_vs_our_plain"] = round(r["tok_s"] / plain[(r["pair"], r["batch"])]["tok_s"], 3)
+        if "cpu_tok_s" in r:
+            r["cpu_speedup_vs_our_plain"] = round(r["cpu_tok_s"] / plain[(r["pair"], r["batch"])]["cpu_tok_s"], 3)
 
 
-def best(rows, pair, engine, method, batch=1):
-    """The best tok/s row of a (pair, engine, method, batch), or None."""
+def best(rows, pair, engine, method, batch=1, pick=max):
+    """The best tok/s row of a (pair, engine, method, batch), or None; pick=min: the worst (over K)."""
     cands = [r for r in rows if r["pair"] == pair and r["engine"] == engine and r["method"] == method and r["batch"] == batch]
-    return max(cands, key=lambda r: r["tok_s"]) if cands else None
+    return pick(cands, key=lambda r: r["tok_s"]) if cands else None
 
 
 def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
@@ -254,7 +316,10 @@ def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
             out.append((goal, "not measured", None))
         else:
             ratio = num["tok_s"] / den["tok_s"]
-            out.append((goal, f"{ratio:.2f}x (K={num['k']})" if num["k"] else f"{ratio:.2f}x", ratio >= need))
+            text = f"{ratio:.2f}x (K={num['k']})" if num["k"] else f"{ratio:.2f}x"
+            if "cpu_tok_s" in num and "cpu_tok_s" in den:
+                text += f"; CPU time {num['cpu_tok_s'] / den['cpu_tok_s']:.2f}x"
+            out.append((goal, text, ratio >= need))
 
     for pair in ("smollm2-draft", "smollm2-ngram", "trained"):
         if best(rows, pair, "ours", "plain"):
@@ -264,17 +329,20 @@ def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
                 best(rows, pair, "roofline", "weights/bandwidth"), 0.7)
             break
     add("trained: draft-target >= 1.8x our plain", best(rows, "trained", "ours", "draft"), best(rows, "trained", "ours", "plain"), 1.8)
+    add("trained: draft-target, cost-aware switch-off >= 1.8x our plain", best(rows, "trained", "ours", "draft cost-aware"),
+        best(rows, "trained", "ours", "plain"), 1.8)
     add("trained: draft-target >= 1.3x transformers assisted", best(rows, "trained", "ours", "draft"),
         best(rows, "trained", "transformers", "assisted"), 1.3)
     add("smollm2-ngram: n-gram >= 1.6x our plain", best(rows, "smollm2-ngram", "ours", "ngram"),
         best(rows, "smollm2-ngram", "ours", "plain"), 1.6)
     add("smollm2-ngram: 8 concurrent, n-gram >= 1.2x our plain", best(rows, "smollm2-ngram", "ours", "ngram", BATCH),
         best(rows, "smollm2-ngram", "ours", "plain", BATCH), 1.2)
-    add("trained-weak: weak draft >= 0.95x our plain", best(rows, "trained-weak", "ours", "draft"),
-        best(rows, "trained-weak", "ours", "plain"), 0.95)
-    for pair in ("smollm2-draft", "smollm2-ngram", "trained", "trained-weak"):
-        method = "ngram" if pair == "smollm2-ngram" else "draft"
-        add(f"{pair}: 8 concurrent, speculative >= plain", best(rows, pair, "ours", method, BATCH),
+    for method in ("draft", "draft cost-aware"):
+        add(f"trained-weak: weak {method} >= 0.95x our plain at every K (worst K)",
+            best(rows, "trained-weak", "ours", method, pick=min), best(rows, "trained-weak", "ours", "plain"), 0.95)
+    for pair, method in (("smollm2-draft", "draft"), ("smollm2-ngram", "ngram"), ("trained", "draft"),
+                         ("trained", "draft cost-aware"), ("trained-weak", "draft cost-aware")):
+        add(f"{pair}: 8 concurrent, {method} >= plain", best(rows, pair, "ours", method, BATCH),
             best(rows, pair, "ours", "plain", BATCH), 1.0)
     return out
 
@@ -285,12 +353,15 @@ def render_markdown(result: dict) -> str:
     lines = [f"Run {result['date']}, dtype {result['dtype']}, {result['threads']} torch thread(s), {NEW_TOKENS} new tokens, "
              f"{result['seconds']:.0f} s wall, read bandwidth GB/s (measured before each pair): {bandwidths}. "
              f"Command: `{result['command']}`", "",
-             "| pair | engine | method | batch | K | tok/s | vs our plain | acceptance | accepted/step | tokens/forward |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pair | engine | method | batch | K | tok/s | vs our plain | CPU-time tok/s | vs plain (CPU time) | acceptance | "
+             "by position | break-even | accepted/step | tokens/forward |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         fmt = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
         lines.append(f"| {r['pair']} | {r['engine']} | {r['method']} | {r['batch']} | {r['k'] or '-'} | {r['tok_s']:.1f} | "
-                     f"{r['speedup_vs_our_plain']:.2f} | {fmt('acceptance_rate')} | {fmt('mean_accepted_length')} | "
+                     f"{r['speedup_vs_our_plain']:.2f} | {fmt('cpu_tok_s')} | {fmt('cpu_speedup_vs_our_plain')} | {fmt('acceptance_rate')} | "
+                     f"{' / '.join(f'{a:.2f}' for a in r.get('acceptance_by_position') or []) or '-'} | "
+                     f"{fmt('draft_token_cost')} | {fmt('mean_accepted_length')} | "
                      f"{fmt('tokens_per_forward')} |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {'yes' if ok else 'no' if ok is not None else '-'} |" for g, m, ok in result["goals"]]
@@ -336,6 +407,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smollm2-engine", type=Path, default=None,
                         help="engine folder our SmolLM2 target runs from (e.g. out/default/engines/target, the "
                              "default spec's int8_sq engine); default: the HF checkpoint in --dtype")
+    parser.add_argument("--trained-engine", type=Path, default=None,
+                        help="engine folder the trained pairs' target runs from (e.g. out/trained-int8/engines/target, "
+                             "built by `make bench-engine`); default: the HF checkpoint in --dtype")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over our runs, interleaved, best round kept (default 1; 3 on a loaded machine)")
     parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
     parser.add_argument("--out", default="docs", help="folder for bench-engine.{json,md} and img/")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per request (default 128)")
@@ -348,16 +424,18 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     rows: list[dict] = []
     pair_ks = {p.name: smollm2_ks if p.name.startswith("smollm2") else ks for p in pairs}
-    total = sum(2 * (1 + len(k)) + 1 + len(k) for k in pair_ks.values())
+    total = sum(args.repeats * (2 * (1 + len(k)) + (3 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
+                for name, k in pair_ks.items())
     with tqdm(total=total, desc="bench-engine", unit="run") as progress:
         for pair in pairs:
-            engine = args.smollm2_engine if pair.target == SMOLLM2 else None
-            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine)
+            engine = args.smollm2_engine if pair.target == SMOLLM2 else args.trained_engine
+            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, args.repeats)
     speedups(rows)
     argv = sys.argv[1:] if argv is None else argv
     command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-              "dtype": args.dtype + (f", SmolLM2 target from {args.smollm2_engine}" if args.smollm2_engine else ""),
+              "dtype": args.dtype + (f", SmolLM2 target from {args.smollm2_engine}" if args.smollm2_engine else "")
+              + (f", trained target from {args.trained_engine}" if args.trained_engine else ""),
               "threads": torch.get_num_threads(),
               "seconds": round(time.time() - started, 1), "command": command,
               "rows": rows}

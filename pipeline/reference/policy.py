@@ -4,8 +4,10 @@ Speculation only pays when enough draft tokens are accepted and the target has s
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
 - per-request switch-off: once a request has `window` speculative steps behind it and its
-  acceptance so far (all its steps) is below `min_acceptance_rate`, it decodes plainly to the end
-  (a sliding window switched decent drafts off after a chance run of rejections);
+  acceptance so far (all its steps) is below `min_acceptance_rate`, or below `draft_token_cost`
+  (what a draft token costs a step, as a fraction of a plain step: the break-even acceptance,
+  measured by pipeline.reference.step_cost), it decodes plainly to the end (a sliding window
+  switched decent drafts off after a chance run of rejections);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, nobody speculates this step (the target is
   compute bound and verification rows are no longer free);
@@ -31,6 +33,9 @@ class PolicyConfig:
     adaptive: bool = False  # adapt K per request from its acceptance
     min_acceptance_rate: float = 0.1  # below this (after `window` steps) a request stops speculating
     window: int = 8  # speculative steps before the switch-off may decide
+    # break-even acceptance: the cost of one draft token (its verify row and draft forward) in plain steps;
+    # 0 = free (a GPU); step_cost.draft_token_cost measures it. The switch-off uses the larger of the two.
+    draft_token_cost: float = 0.0
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
 
@@ -95,7 +100,8 @@ class PolicyProposer:
         state.steps += 1
         state.accepted += num_accepted
         state.proposed += num_proposed
-        if state.steps >= cfg.window and state.accepted < cfg.min_acceptance_rate * state.proposed:
+        threshold = max(cfg.min_acceptance_rate, cfg.draft_token_cost)
+        if state.steps >= cfg.window and state.accepted < threshold * state.proposed:
             state.enabled = False
 
     def release(self, request_id: str) -> None:
