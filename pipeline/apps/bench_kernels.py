@@ -212,6 +212,7 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
         for t in threads:
             torch.set_num_threads(t)
             for d, model in models.items():
+                model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
                 for n, invariant in cases:
                     model.batch_invariant = invariant
                     start = time.perf_counter()
@@ -230,8 +231,10 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
             print(f"| {d} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
     torch.set_num_threads(threads[0])
+    for model in models.values():
+        model.decode_threads = threads[0]
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
-    print("| engine | torch ops | linear kernels ms | other ops ms | kernels' read rate GB/s |")
+    print("| engine | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
     print("|---|---|---|---|---|")
     for d, model in models.items():
         model.batch_invariant = True
