@@ -95,6 +95,8 @@ def test_kv_write_gather_and_int8_round_trip():
         assert all(torch.equal(a, b) for a, b in zip(cache.gather(0, slots), layer0))  # other layers untouched
         cache.copy_slots(torch.tensor([3, 9]), torch.tensor([1, 2]))
         torch.testing.assert_close(cache.gather(1, torch.tensor([1, 2]))[0], gk[:2], atol=0, rtol=0)
+        # consecutive slots read as a slice (views, no gather) give the gathered values
+        assert all(torch.equal(a, b) for a, b in zip(cache.gather(1, slice(2, 5)), cache.gather(1, torch.arange(2, 5))))
 
 
 def test_unknown_kv_cache_quant_algo_is_refused():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pipeline.reference.model import LlamaModel, SequenceInput, config_from_hf, perplexity
+from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput, _slots_or_range, config_from_hf, perplexity
 from pipeline.fixtures.toymodels import tiny_config
 
 BLOCK = 16
@@ -141,6 +141,58 @@ def test_ragged_batch_is_bitwise_batch_invariant(tiny_llama):
     model([SequenceInput(s[:-3], 0, t) for s, t in zip((a, b, c), tables)], kv)
     batched = model([SequenceInput(s[-3:], len(s) - 3, t, logits_rows=[0, 1, 2]) for s, t in zip((a, b, c), tables)], kv).logits
     assert torch.equal(batched, torch.cat([alone(a), alone(b), alone(c)]))
+
+
+def test_consecutive_and_scattered_kv_blocks_give_the_same_bits(tiny_llama):
+    """Attention reads a sequence's consecutive KV slots as views and scattered ones by gathering: same logits, bit for bit."""
+    assert isinstance(_slots_or_range(torch.arange(32, 70)), slice)
+    assert not isinstance(_slots_or_range(torch.tensor([32, 33, 35])), slice)
+    ids = random_ids(40, seed=11)
+    for batch_invariant in (False, True):
+        model = LlamaModel.from_hf(tiny_llama, batch_invariant=batch_invariant)
+        runs = []
+        for table in ([0, 1, 2], [7, 2, 9]):  # consecutive slots, then scattered blocks
+            kv = model.new_kv_cache(16, BLOCK)
+            model([SequenceInput(ids[:34], 0, table)], kv)
+            verify = model([SequenceInput(ids[34:39], 34, table, logits_rows=list(range(5)))], kv).logits
+            step = model([SequenceInput(ids[39:], 39, table)], kv).logits
+            runs.append(torch.cat([verify, step]))
+        assert torch.equal(runs[0], runs[1])
+
+
+def test_small_forwards_run_on_the_decode_thread_count(tiny_llama):
+    """Decode steps and verifies (<= DECODE_ROWS new tokens) run on decode_threads; prefill keeps torch's count."""
+    model = LlamaModel.from_hf(tiny_llama)
+    kernel, seen = model.layers[0]["o"], []
+
+    class Recording:  # the real kernel, noting the thread count it runs under
+        batch_invariant = kernel.batch_invariant
+
+        def __call__(self, x):
+            seen.append(torch.get_num_threads())
+            return kernel(x)
+
+    model.layers[0]["o"] = Recording()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = random_ids(DECODE_ROWS + 8, seed=13)
+        kv = model.new_kv_cache(8, BLOCK)
+        model([SequenceInput(ids[:-1], 0, blocks_for(0, len(ids)))], kv)  # prefill: more than DECODE_ROWS tokens
+        model([SequenceInput(ids[-1:], len(ids) - 1, blocks_for(0, len(ids)))], kv)  # decode step
+        model.batch_invariant = True  # exact mode: every forward on the decode thread count
+        model([SequenceInput(ids[:-1], 0, blocks_for(0, len(ids)))], kv)
+        assert seen[:2] == [2, 1] and set(seen[2:]) == {1} and torch.get_num_threads() == 2  # exact mode: row by row
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_float32_rms_norm_is_hf_normalise_then_scale(tiny_llama):
+    model = LlamaModel.from_hf(tiny_llama)
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(5, model.hidden_size, generator=g) * 3, torch.rand(model.hidden_size, generator=g) + 0.5
+    hf = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.eps))  # transformers' LlamaRMSNorm in fp32
+    assert torch.equal(model.rms_norm(x, w), hf)
 
 
 def test_hidden_states_are_the_lm_head_input(tiny_llama):

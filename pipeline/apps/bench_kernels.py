@@ -9,9 +9,12 @@ batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit)
 whether speculative verification can take all its rows in one call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
 context through the reference model of each engine (attention per token as the exactness tests run
-it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step.
+it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step, and
+the plain decode step's share of the memory roofline (weight bytes / bandwidth of the same repeats),
+per torch thread count (--threads); then one decode step per engine under torch.profiler: the linear
+kernels' time against every other op's, and the number of torch ops.
 
-    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--engines out/default/engines/target ...]
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--engines out/default/engines/target ...]
 """
 
 from __future__ import annotations
@@ -157,11 +160,35 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
         print(f"| {name} | {'yes' if invariant[name] else 'no'} | {base * 1000:.1f} ms | {ratios} |", flush=True)
 
 
-def bench_model(engine_dirs: list[str], reps: int, context: int = 128, new: int = 6) -> None:
-    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine; prints ms and ratios.
+KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
+              "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear")
 
-    Two attention modes: batch-invariant (every token its own SDPA call, as the exactness tests run)
-    and batched (one masked SDPA per sequence, as serving runs); the linears are the same in both.
+
+def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
+    """(torch ops per forward, ms in the weight-reading linear kernels, ms in all ops) of one forward, torch.profiler.
+
+    Self CPU times (the profiler adds a few microseconds to every op, so "everything else" reads high).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            model([seq], kv)
+    events = prof.key_averages()
+    ops = sum(e.count for e in events if "::" in e.key) / reps
+    kernel_us = sum(e.self_cpu_time_total for e in events if e.key in KERNEL_OPS) / reps
+    total_us = sum(e.self_cpu_time_total for e in events if "::" in e.key) / reps
+    return ops, kernel_us / 1000, total_us / 1000
+
+
+def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: int = 128, new: int = 6) -> None:
+    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine and thread count.
+
+    Prints ms, the verify ratio and the share of the memory roofline (weight bytes / read bandwidth
+    measured in the same repeats); two attention modes: batch-invariant (every token its own SDPA
+    call, as the exactness tests run) and batched (one masked SDPA per sequence, as serving runs).
+    Then, per engine, where one decode step goes (torch.profiler): the linear kernels against
+    everything else, and the number of torch ops.
     """
     from pipeline.reference.model import LlamaModel, SequenceInput
 
@@ -172,31 +199,47 @@ def bench_model(engine_dirs: list[str], reps: int, context: int = 128, new: int 
         kv = model.new_kv_cache(-(-(context + new) // 32), 32)
         model([SequenceInput(ids[:context], 0, list(range(kv.num_blocks)))], kv)
         caches[d] = kv
+
+    def seq(d, n):
+        return SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)), logits_rows=list(range(n)))
+
     cases = [(1, True), (new, True), (new, False)]
-    times = {(d, case): [] for d in models for case in cases}
+    times = {(d, t, case): [] for d in models for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
     for _ in range(reps):
         bandwidth.append(bandwidth_gbs(buffer))
-        for d, model in models.items():
-            for n, invariant in cases:
-                model.batch_invariant = invariant
-                seq = SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)),
-                                    logits_rows=list(range(n)))
-                start = time.perf_counter()
-                model([seq], caches[d])
-                times[(d, (n, invariant))].append(time.perf_counter() - start)
+        for t in threads:
+            torch.set_num_threads(t)
+            for d, model in models.items():
+                model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
+                for n, invariant in cases:
+                    model.batch_invariant = invariant
+                    start = time.perf_counter()
+                    model([seq(d, n)], caches[d])
+                    times[(d, t, (n, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forward after {context} "
           f"cached tokens, median of {reps}")
-    print(f"| engine | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, batched "
-          "attention | ratio | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| engine | threads | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, "
+          "batched attention | ratio | roofline share at 1 token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for d, model in models.items():
-        one, *many = (statistics.median(times[(d, case)]) for case in cases)
-        floor = model.weight_bytes / bw / 1e9
-        print(f"| {d} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
-              + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
+        for t in threads:
+            one, *many = (statistics.median(times[(d, t, case)]) for case in cases)
+            floor = model.weight_bytes / bw / 1e9
+            print(f"| {d} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+                  + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
+    torch.set_num_threads(threads[0])
+    for model in models.values():
+        model.decode_threads = threads[0]
+    print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
+    print("| engine | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
+    print("|---|---|---|---|---|")
+    for d, model in models.items():
+        model.batch_invariant = True
+        ops, kernels, total = step_profile(model, seq(d, 1), caches[d])
+        print(f"| {d} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | {model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -207,14 +250,16 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of kernel names")
     parser.add_argument("--engines", nargs="*", default=[], help="engine folders for part 2 (model forwards)")
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts for part 2 (default 1,2; part 1 runs on the first)")
     args = parser.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    threads = [min(int(t), os.cpu_count() or 1) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
     with torch.inference_mode():
         if not args.skip_kernels:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
-            bench_model(args.engines, args.reps)
+            bench_model(args.engines, args.reps, threads)
 
 
 if __name__ == "__main__":

@@ -60,12 +60,17 @@ class KVCache:
             store[layer].index_copy_(0, slots, torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8))
             scales[layer].index_copy_(0, slots, scale)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [S, KVH, D] of `slots` [S], in the compute dtype."""
-        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+    def gather(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [S, KVH, D] of `slots` [S], in the compute dtype; a slice of consecutive slots reads views (no copy)."""
+        if isinstance(slots, slice):
+            k, v = self.k[layer, slots], self.v[layer, slots]
+        else:
+            k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
         if self.quantized:
-            k = (k.float() * self.k_scale[layer].index_select(0, slots)).to(self.dtype)
-            v = (v.float() * self.v_scale[layer].index_select(0, slots)).to(self.dtype)
+            k_scale, v_scale = ((s[layer, slots] if isinstance(slots, slice) else s[layer].index_select(0, slots))
+                                for s in (self.k_scale, self.v_scale))
+            k = (k.float() * k_scale).to(self.dtype)
+            v = (v.float() * v_scale).to(self.dtype)
         return k, v
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,10 @@ from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, wide_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads:
+# their matmuls are memory-bound GEMVs that one core nearly saturates, and a second OpenMP thread only adds
+# barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
+DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -116,6 +121,7 @@ class LlamaModel(torch.nn.Module):
         self.config = config
         self.dtype = DTYPES[config["dtype"]]
         self.batch_invariant = batch_invariant
+        self.decode_threads: int | None = 1  # None: small forwards keep torch's thread count too
         self.num_layers = config["num_hidden_layers"]
         self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_size, self.hidden_size = config["head_size"], config["hidden_size"]
@@ -218,7 +224,9 @@ class LlamaModel(torch.nn.Module):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm with this model's epsilon and dtype."""
-        # as HF: normalise in fp32, cast back, then scale (.float() / .to() are no-ops in fp32)
+        if self.dtype == torch.float32:  # one call: the same bits as HF's normalise-then-scale (tested)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        # as HF: normalise in fp32, cast back, then scale
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(self.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -239,6 +247,13 @@ class LlamaModel(torch.nn.Module):
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
         plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
+        # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
+        small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
+        with _intra_op_threads(self.decode_threads if small else None):
+            return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
+
+    def _forward(self, plan: "_AttentionPlan", kv: KVCache, return_hidden: bool, input_embeds: torch.Tensor | None,
+                 capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None) -> ForwardOutput:
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
         if int(positions.max()) >= self.rope_cos.shape[0]:
@@ -278,8 +293,12 @@ class LlamaModel(torch.nn.Module):
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
         out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
         for start, end, key_slots, mask in plan.groups:  # B sequences of n rows each
-            B, S = key_slots.shape
-            k, v = kv.gather(layer, key_slots.flatten())  # [B * S, KVH, D] each
+            if isinstance(key_slots, slice):  # one sequence over consecutive slots: views, no gather
+                B, S = 1, key_slots.stop - key_slots.start
+            else:
+                B, S = key_slots.shape
+                key_slots = key_slots.flatten()
+            k, v = kv.gather(layer, key_slots)  # [B * S, KVH, D] each
             k = k.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [B, KVH, S, D]
             v = v.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)
             qb = q[start:end].view(B, -1, self.num_heads, self.head_size).transpose(1, 2)  # [B, H, n, D]
@@ -304,8 +323,9 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    # (row start, row end, key slots [B, S], mask [B, 1, n, S] or [n, S] or None): B sequences of n rows each
-    groups: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    # (row start, row end, key slots [B, S] or a slice of consecutive slots (B = 1), mask [B, 1, n, S] or [n, S]
+    # or None): B sequences of n rows each
+    groups: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
@@ -338,7 +358,7 @@ class _AttentionPlan:
                 for i in range(n):  # one group per token: exactly the keys it sees, as in plain decoding
                     visible = range(i + 1) if ancestors is None else ancestors[i]
                     key_slots = torch.cat([all_slots[:c], all_slots[[c + a for a in visible]]])
-                    groups.append((row + i, row + i + 1, key_slots[None], None))
+                    groups.append((row + i, row + i + 1, _slots_or_range(key_slots), None))
             elif n == 1:
                 decodes.append((row, all_slots))
             else:
@@ -351,7 +371,7 @@ class _AttentionPlan:
                         mask[i, [c + a for a in anc]] = True
                 else:
                     mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
-                groups.append((row, row + n, all_slots[None], mask))
+                groups.append((row, row + n, _slots_or_range(all_slots), mask))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
@@ -366,9 +386,31 @@ def _decode_group(decodes: list[tuple[int, torch.Tensor]]) -> list[tuple]:
         return []
     if len(decodes) == 1:
         row, key_slots = decodes[0]
-        return [(row, row + 1, key_slots[None], None)]
+        return [(row, row + 1, _slots_or_range(key_slots), None)]
     longest = max(len(k) for _, k in decodes)
     key_slots = torch.stack([F.pad(k, (0, longest - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
     lengths = torch.tensor([len(k) for _, k in decodes])
     mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
     return [(decodes[0][0], decodes[-1][0] + 1, key_slots, mask)]
+
+
+def _slots_or_range(slots: torch.Tensor) -> torch.Tensor | slice:
+    """One sequence's key slots [S]: a slice when they are consecutive (a view of the cache, no gather), else [1, S]."""
+    first = int(slots[0])
+    if int(slots[-1]) - first == len(slots) - 1 and (len(slots) < 3 or bool((slots.diff() == 1).all())):
+        return slice(first, first + len(slots))
+    return slots[None]
+
+
+@contextmanager
+def _intra_op_threads(threads: int | None):
+    """Run the block on `threads` torch intra-op threads (None: unchanged), then restore the previous count."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
