@@ -10,13 +10,21 @@ waiting forever) and refuses new ones with "Stub process ... is not healthy". Th
 model down: every waiting and later call to it raises ModelDown at once (the BLS then falls back
 from a dead draft, or fails the request for a dead target), and `on_down(model, reason)` reports it
 once (metric, log line). A call with no response for `stall_timeout_s` fails on its own.
+
+Every call's pb_utils objects (the request, a decoupled call's response iterator, every response) stay
+referenced from Python for `HOLD_S` after the call ends (`StubObjectKeeper`): Triton 2.51's stub can
+otherwise free their numpy arrays on its own C++ threads without the GIL, which corrupts the interpreter
+and kills the stub (docs/reliability.md, "The python stub segfault").
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import numpy as np
@@ -29,6 +37,46 @@ from pipeline.serving.params import TextRequest
 _DONE = object()
 POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
 DEAD_STUB_MARKER = "is not healthy"  # Triton's error for a call to a model whose python stub died
+HOLD_S = 5.0  # how long a finished call's pb_utils objects stay referenced (StubObjectKeeper)
+
+
+@dataclass
+class CallObjects:
+    """The pb_utils objects of one BLS call, and its last exec()/next() on the pool (None before the first)."""
+
+    objects: list = field(default_factory=list)
+    pending: asyncio.Future | None = None
+
+
+class StubObjectKeeper:
+    """Keeps finished calls' pb_utils objects referenced from Python for `hold_s`, and longer while an
+    abandoned call's exec()/next() still runs on the pool.
+
+    Why: in Triton 2.51 (python_backend r24.10) a PbTensor's destructor drops its numpy arrays without
+    taking the GIL (fixed in r24.12 by commit b771f4f, "Hold GIL when deleting numpy array"). A decoupled
+    call's ResponseIterator holds every response; the stub keeps one reference to it in a map that its
+    stub-to-parent thread erases (Stub::SendCleanupId) some time after the last response. When Python had
+    already let go, that C++ thread freed the responses' numpy arrays while another thread ran Python:
+    pymalloc's free lists broke (`segfault at 1 ... _PyObject_Malloc`, `malloc(): unaligned fastbin chunk`).
+    Holding the objects until the stub surely dropped its own references makes Python's the last one, so
+    they are freed under the GIL."""
+
+    def __init__(self, hold_s: float = HOLD_S):
+        self.hold_s = hold_s
+        self.held: collections.deque[tuple[float, CallObjects]] = collections.deque()  # (release time, call)
+
+    def hold(self, call: CallObjects) -> None:
+        """Keep `call`'s objects for hold_s from now."""
+        self.held.append((time.monotonic() + self.hold_s, call))
+
+    def release_expired(self) -> None:
+        """Let go of the calls held past their time whose pool work has ended; a call still running on the pool
+        is held hold_s more."""
+        now = time.monotonic()
+        while self.held and self.held[0][0] <= now:
+            _, call = self.held.popleft()
+            if call.pending is not None and not call.pending.done():
+                self.hold(call)
 
 
 class TritonModelClient:
@@ -41,6 +89,7 @@ class TritonModelClient:
         self.stall_timeout_s = stall_timeout_s
         self.on_down = on_down
         self.down: dict[str, str] = {}  # model -> why it is down
+        self.keeper = StubObjectKeeper()
 
     def mark_down(self, model: str, reason: str) -> None:
         """Record that `model` is down (reported once)."""
@@ -48,10 +97,10 @@ class TritonModelClient:
             self.down[model] = reason
             self.on_down(model, reason)
 
-    async def _call(self, model: str, fn, *args):
+    async def _call(self, model: str, call: CallObjects, fn, *args):
         """fn(*args) on the pool, awaited with a watch: raises ModelDown when the model is or goes down, and
         ModelError after stall_timeout_s. A thread stuck on a dead stub is abandoned (it never returns)."""
-        pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        pending = call.pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         waited = 0.0
         while True:
             if model in self.down:
@@ -80,12 +129,23 @@ class TritonModelClient:
     async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> AsyncIterator:
         if model in self.down:
             raise ModelDown(f"{model} is down ({self.down[model]})")
+        self.keeper.release_expired()
+        call = CallObjects()
+        try:
+            async for response in self._call_responses(model, call, inputs, outputs):
+                yield response
+        finally:
+            self.keeper.hold(call)
+
+    async def _call_responses(self, model: str, call: CallObjects, inputs: dict[str, np.ndarray],
+                              outputs: list[str]) -> AsyncIterator:
         request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
+        call.objects.append(request)
         # Not async_exec: in 2.51 it runs exec() on the event loop's default executor (a few threads), which
         # calls to a dead stub block for good, and then every other call queues behind them.
         try:
-            answer = await self._call(model, functools.partial(request.exec, decoupled=self.decoupled))
+            answer = await self._call(model, call, functools.partial(request.exec, decoupled=self.decoupled))
         except ModelError:
             raise
         except Exception as exc:
@@ -93,13 +153,15 @@ class TritonModelClient:
                 self.mark_down(model, str(exc))
                 raise ModelDown(f"{model}: {exc}") from None
             raise
+        call.objects.append(answer)
         if not self.decoupled:  # one unary response
             yield self._checked(model, answer)
             return
         while True:
-            response = await self._call(model, next, answer, _DONE)
+            response = await self._call(model, call, next, answer, _DONE)
             if response is _DONE:
                 return
+            call.objects.append(response)
             yield self._checked(model, response)
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
