@@ -7,8 +7,8 @@ until SECONDS pass or a round fails: per round, two bursts to each of the two mo
 once; a burst is 4 streams (K 0-3), 2 unary calls and 2 streams its client leaves after one response.
 Every finished request must return the same greedy text.
 
-Prints one line: `RESULT ok|crash (<model> died)|hang (...) after S s, N rounds (R requests)`. On a hang it
-writes `gdb` backtraces of every thread of the two text models' stubs to FOLDER/hang-<model>.txt.
+Prints one line: `RESULT ok|crash (<models> died; <error>)|hang (<error>) after S s, N rounds (R requests)`.
+On a hang it writes `gdb` backtraces of every thread of the two text models' stubs to FOLDER/hang-<model>.txt.
 
     nice -n 10 .venv/bin/python tests/stress/stub_stress.py [SECONDS] [FOLDER]   # defaults: 90, /tmp/stub-stress
 """
@@ -107,7 +107,8 @@ def main(seconds: float, folder: Path) -> str:
         except (Exception, asyncio.TimeoutError) as exc:
             alive = stub_processes(server)
             dead = sorted({name for pid, name in stubs.items() if pid not in alive})
-            result = f"crash ({', '.join(dead)} died)" if dead else f"hang ({type(exc).__name__}: {exc})"
+            what = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            result = f"crash ({', '.join(dead)} died; {what})" if dead else f"hang ({what})"
             for pid, name in alive.items():
                 if not dead and name in ("ensemble", "tensorrt_llm_bls"):
                     trace = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"],
