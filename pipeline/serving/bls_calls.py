@@ -14,7 +14,7 @@ once (metric, log line). A call with no response for `stall_timeout_s` fails on 
 Every call's pb_utils objects (the request, a decoupled call's response iterator, every response) stay
 referenced from Python for `HOLD_S` after the call ends (`StubObjectKeeper`): Triton 2.51's stub can
 otherwise free their numpy arrays on its own C++ threads without the GIL, which corrupts the interpreter
-and kills the stub (docs/reliability.md, "The python stub segfault").
+and kills the stub (docs/reliability.md, "The python stub segfault and deadlock").
 """
 
 from __future__ import annotations
