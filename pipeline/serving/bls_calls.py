@@ -12,19 +12,16 @@ from a dead draft, or fails the request for a dead target), and `on_down(model, 
 once (metric, log line). A call with no response for `stall_timeout_s` fails on its own.
 
 Every call's pb_utils objects (the request, a decoupled call's response iterator, every response) stay
-referenced from Python for `HOLD_S` after the call ends (`StubObjectKeeper`): Triton 2.51's stub can
-otherwise free their numpy arrays on its own C++ threads without the GIL, which corrupts the interpreter
-and kills the stub (docs/reliability.md, "The python stub segfault and deadlock").
+referenced from Python for a few seconds after the call ends (pipeline.serving.stub_keeper): Triton
+2.51's stub can otherwise free their numpy arrays on its own C++ threads without the GIL, which corrupts
+the interpreter and kills the stub (docs/reliability.md, "The python stub segfault and deadlock").
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import numpy as np
@@ -33,50 +30,11 @@ import triton_python_backend_utils as pb_utils
 from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
 from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
+from pipeline.serving.stub_keeper import CallObjects, StubObjectKeeper
 
 _DONE = object()
 POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
 DEAD_STUB_MARKER = "is not healthy"  # Triton's error for a call to a model whose python stub died
-HOLD_S = 5.0  # how long a finished call's pb_utils objects stay referenced (StubObjectKeeper)
-
-
-@dataclass
-class CallObjects:
-    """The pb_utils objects of one BLS call, and its last exec()/next() on the pool (None before the first)."""
-
-    objects: list = field(default_factory=list)
-    pending: asyncio.Future | None = None
-
-
-class StubObjectKeeper:
-    """Keeps finished calls' pb_utils objects referenced from Python for `hold_s`, and longer while an
-    abandoned call's exec()/next() still runs on the pool.
-
-    Why: in Triton 2.51 (python_backend r24.10) a PbTensor's destructor drops its numpy arrays without
-    taking the GIL (fixed in r24.12 by commit b771f4f, "Hold GIL when deleting numpy array"). A decoupled
-    call's ResponseIterator holds every response; the stub keeps one reference to it in a map that its
-    stub-to-parent thread erases (Stub::SendCleanupId) some time after the last response. When Python had
-    already let go, that C++ thread freed the responses' numpy arrays while another thread ran Python:
-    pymalloc's free lists broke (`segfault at 1 ... _PyObject_Malloc`, `malloc(): unaligned fastbin chunk`).
-    Holding the objects until the stub surely dropped its own references makes Python's the last one, so
-    they are freed under the GIL."""
-
-    def __init__(self, hold_s: float = HOLD_S):
-        self.hold_s = hold_s
-        self.held: collections.deque[tuple[float, CallObjects]] = collections.deque()  # (release time, call)
-
-    def hold(self, call: CallObjects) -> None:
-        """Keep `call`'s objects for hold_s from now."""
-        self.held.append((time.monotonic() + self.hold_s, call))
-
-    def release_expired(self) -> None:
-        """Let go of the calls held past their time whose pool work has ended; a call still running on the pool
-        is held hold_s more."""
-        now = time.monotonic()
-        while self.held and self.held[0][0] <= now:
-            _, call = self.held.popleft()
-            if call.pending is not None and not call.pending.done():
-                self.hold(call)
 
 
 class TritonModelClient:

@@ -48,7 +48,7 @@ def tensors(arrays: dict[str, np.ndarray]) -> list:
 def send(sender, arrays: dict[str, np.ndarray], flags: int = 0) -> None:
     """Send one response with `arrays` as its outputs. The tensors stay referenced from Python until the send
     returns: Triton 2.51's ResponseSender::Send drops the outputs the caller did not request while it does not
-    hold the GIL, and a tensor's last reference must not go there (pipeline.serving.bls_calls.StubObjectKeeper)."""
+    hold the GIL, and a tensor's last reference must not go there (pipeline.serving.stub_keeper)."""
     outputs = tensors(arrays)
     sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
