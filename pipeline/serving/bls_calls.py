@@ -10,6 +10,11 @@ waiting forever) and refuses new ones with "Stub process ... is not healthy". Th
 model down: every waiting and later call to it raises ModelDown at once (the BLS then falls back
 from a dead draft, or fails the request for a dead target), and `on_down(model, reason)` reports it
 once (metric, log line). A call with no response for `stall_timeout_s` fails on its own.
+
+Every call's pb_utils objects (the request, a decoupled call's response iterator, every response) stay
+referenced from Python for a few seconds after the call ends (pipeline.serving.stub_keeper): Triton
+2.51's stub can otherwise free their numpy arrays on its own C++ threads without the GIL, which corrupts
+the interpreter and kills the stub (docs/reliability.md, "The python stub segfault and deadlock").
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
 from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
+from pipeline.serving.stub_keeper import CallObjects, StubObjectKeeper
 
 _DONE = object()
 POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
@@ -41,6 +47,7 @@ class TritonModelClient:
         self.stall_timeout_s = stall_timeout_s
         self.on_down = on_down
         self.down: dict[str, str] = {}  # model -> why it is down
+        self.keeper = StubObjectKeeper()
 
     def mark_down(self, model: str, reason: str) -> None:
         """Record that `model` is down (reported once)."""
@@ -48,10 +55,10 @@ class TritonModelClient:
             self.down[model] = reason
             self.on_down(model, reason)
 
-    async def _call(self, model: str, fn, *args):
+    async def _call(self, model: str, call: CallObjects, fn, *args):
         """fn(*args) on the pool, awaited with a watch: raises ModelDown when the model is or goes down, and
         ModelError after stall_timeout_s. A thread stuck on a dead stub is abandoned (it never returns)."""
-        pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        pending = call.pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         waited = 0.0
         while True:
             if model in self.down:
@@ -80,12 +87,23 @@ class TritonModelClient:
     async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> AsyncIterator:
         if model in self.down:
             raise ModelDown(f"{model} is down ({self.down[model]})")
+        self.keeper.release_expired()
+        call = CallObjects()
+        try:
+            async for response in self._call_responses(model, call, inputs, outputs):
+                yield response
+        finally:
+            self.keeper.hold(call)
+
+    async def _call_responses(self, model: str, call: CallObjects, inputs: dict[str, np.ndarray],
+                              outputs: list[str]) -> AsyncIterator:
         request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
+        call.objects.append(request)
         # Not async_exec: in 2.51 it runs exec() on the event loop's default executor (a few threads), which
         # calls to a dead stub block for good, and then every other call queues behind them.
         try:
-            answer = await self._call(model, functools.partial(request.exec, decoupled=self.decoupled))
+            answer = await self._call(model, call, functools.partial(request.exec, decoupled=self.decoupled))
         except ModelError:
             raise
         except Exception as exc:
@@ -93,13 +111,15 @@ class TritonModelClient:
                 self.mark_down(model, str(exc))
                 raise ModelDown(f"{model}: {exc}") from None
             raise
+        call.objects.append(answer)
         if not self.decoupled:  # one unary response
             yield self._checked(model, answer)
             return
         while True:
-            response = await self._call(model, next, answer, _DONE)
+            response = await self._call(model, call, next, answer, _DONE)
             if response is _DONE:
                 return
+            call.objects.append(response)
             yield self._checked(model, response)
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.serving.errors import RequestError, Stopped, Unavailable
+
+
+def enable_fault_dumps() -> None:
+    """Python stacks of every thread of this stub on stderr (the server's log): at a crash (SIGSEGV, SIGABRT...)
+    and on SIGUSR1 (`kill -USR1 <stub pid>` shows what a stuck stub is doing)."""
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -34,6 +43,14 @@ def request_inputs(request, names: list[str]) -> dict[str, np.ndarray]:
 def tensors(arrays: dict[str, np.ndarray]) -> list:
     """pb_utils.Tensor list from name -> array."""
     return [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+
+
+def send(sender, arrays: dict[str, np.ndarray], flags: int = 0) -> None:
+    """Send one response with `arrays` as its outputs. The tensors stay referenced from Python until the send
+    returns: Triton 2.51's ResponseSender::Send drops the outputs the caller did not request while it does not
+    hold the GIL, and a tensor's last reference must not go there (pipeline.serving.stub_keeper)."""
+    outputs = tensors(arrays)
+    sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
 
 def error_response(exc: BaseException):

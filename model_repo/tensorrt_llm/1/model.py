@@ -26,6 +26,7 @@ CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client we
 
 class TritonPythonModel:
     def initialize(self, args):
+        triton_io.enable_fault_dumps()
         params = triton_io.model_parameters(args)
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
@@ -114,7 +115,7 @@ class TritonPythonModel:
                 arrays = builder.add(out)
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
                 if arrays is not None:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
+                    triton_io.send(sender, arrays, flags)
                 elif out.finished:
                     sender.send(flags=flags)
                 if out.finished:

@@ -25,6 +25,7 @@ from pipeline.serving.text import load_tokenizer
 
 class TritonPythonModel:
     def initialize(self, args):
+        triton_io.enable_fault_dumps()
         self.name = args["model_name"]
         self.settings = BlsSettings.from_parameters(triton_io.model_parameters(args))
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
@@ -70,7 +71,7 @@ class TritonPythonModel:
                 arrays = responder.on_chunk(chunk)
                 if arrays is not None:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
-                    sender.send(pb_utils.InferenceResponse(output_tensors=triton_io.tensors(arrays)), flags=flags)
+                    triton_io.send(sender, arrays, flags)
         except Stopped as exc:
             if request.is_cancelled():
                 pb_utils.Logger.log_info(f"{self.name}: request cancelled by its client, {exc}")
