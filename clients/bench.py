@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from clients.bench_args import (BUILTIN_SETS, DEFAULT_CONCURRENCY, DEFAULT_KS, FULL_CONCURRENCY, FULL_KS,
-                                add_run_arguments)
+from clients.bench_args import (BUILTIN_SETS, DEFAULT_CONCURRENCY, DEFAULT_KS, DEFAULT_MAX_TOKENS, FULL_CONCURRENCY,
+                                FULL_KS, add_run_arguments)
 from clients.chat import ChatTemplate
 from clients.client import AsyncTritonClient, ClientError, Completion, GenerateRequest, SamplingParams, tokenizer_dir_of
 
@@ -62,7 +62,7 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
     requests_per_cell: int = 4  # at least `concurrency` requests run per cell
-    max_tokens: int = 32
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     seed: int = 0
     metrics_url: str | None = None  # Triton's /metrics, for acceptance by position

@@ -13,6 +13,11 @@ from pathlib import Path
 BUILTIN_SETS = ("chat", "code", "summarize")
 DEFAULT_CONCURRENCY, FULL_CONCURRENCY = (1, 4), (1, 4, 8, 16)
 DEFAULT_KS, FULL_KS = (0, 2, 5), tuple(range(9))
+# Long enough for the answers to finish (summaries here end after 35-75 tokens, code edits after 25 to more than 128):
+# a 32-token cut measured the answers' openings ("Here is the function..."), where prompt lookup rarely
+# matches, not their copying middle. vLLM's spec-decode benchmark (`vllm bench serve --dataset-name
+# spec_bench`) defaults to 256 output tokens; 128 keeps `make bench` within about 5 minutes here.
+DEFAULT_MAX_TOKENS = 128
 
 
 def _ints(text: str) -> list[int]:
@@ -30,7 +35,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=_ints, help=f"draft tokens per round to sweep (0 = off); default {','.join(map(str, DEFAULT_KS))}")
     p.add_argument("--full", action="store_true", help="full sweep: concurrency 1,4,8,16 and K 0..8")
     p.add_argument("--requests", type=int, default=4, help="requests per cell (at least the concurrency)")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"output tokens per request (default {DEFAULT_MAX_TOKENS}; a prompt set item may set its own)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model", default="ensemble")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")

@@ -2,6 +2,7 @@
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -100,3 +101,45 @@ def test_failing_step_errors_its_requests_and_runner_keeps_serving(model):
     second = drain(runner.submit(Request("second", [1, 2, 3], max_new_tokens=5)))
     assert second[1] == "length" and len(second[0]) == 5
     runner.close()
+
+
+class BatchLog(LLMEngine):
+    """An LLMEngine that records how many sequences each forward ran."""
+
+    def _schedule(self):
+        batch = super()._schedule()
+        if batch:
+            self.batches.append(len(batch))
+        return batch
+
+
+@pytest.mark.parametrize("regather_s", [0.0, 5.0])
+def test_regathering_keeps_chained_requests_in_one_step(model, regather_s):
+    """Four callers each run a chain of one-token requests, sending the next one 2-8 ms after the last
+    finished (as the BLS does per round): with regathering the chains share every step but the first and
+    the last (the callers that were late for the first step stay one request behind); without it they spread
+    over more steps. The tokens are the same either way."""
+    engine = BatchLog(model, EngineConfig(tokens_per_block=16, batch_invariant=True))
+    engine.batches = []
+    runner = EngineRunner(engine, regather_s=regather_s)
+    ps, results = prompts(4, seed=22), {}
+
+    def chain(i):
+        seq = list(ps[i])
+        for r in range(6):
+            seq += drain(runner.submit(Request(f"{i}-{r}", seq, max_new_tokens=1)))[0]
+            time.sleep(0.002 * (i + 1))
+        results[i] = seq[len(ps[i]):]
+
+    threads = [threading.Thread(target=chain, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runner.close()
+    alone = run(engine_for(model), {0: [Request(str(i), p, max_new_tokens=6) for i, p in enumerate(ps)]})
+    assert results == {i: alone[str(i)]["tokens"] for i in range(4)}
+    if regather_s:
+        assert len(engine.batches) <= 6 + 1 and engine.batches.count(4) >= 5
+    else:
+        assert len(engine.batches) > 6 + 2

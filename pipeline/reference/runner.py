@@ -4,12 +4,20 @@ Callers on any thread `submit` requests and read `RequestOutput`s from a per-req
 request joins the running batch at the next step (in-flight batching across callers). Bad input
 raises EngineInputError from `submit` itself. If a step raises, the requests in that step get a
 final output with finish_reason "error" and the runner keeps serving the others.
+
+Regathering (`regather_s`): a caller that runs its work as a chain of short requests (the BLS: one
+request per speculative round or plain chunk) sends the next one a few milliseconds after the last
+finished. Stepping at once would run the requests that are back without those still on their way,
+and the chains would stay split over two steps from then on (measured: 2.5 sequences per step instead
+of 3.6 with 4 BLS requests in flight). So after a step in which n requests finished, the next step
+waits until n requests arrived after that step ended, or until regather_s passed, whichever is first.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from pipeline.reference.engine import EngineInputError, LLMEngine, Request, RequestOutput
 
@@ -17,10 +25,12 @@ from pipeline.reference.engine import EngineInputError, LLMEngine, Request, Requ
 class EngineRunner:
     """Thread-safe front of an LLMEngine (see the module docstring). Only the runner thread touches the engine."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, regather_s: float = 0.0):
         self.engine = engine
+        self.regather_s = regather_s  # see the module docstring; 0 = step at once
         self._queues: dict[str, queue.Queue[RequestOutput]] = {}  # unfinished requests
         self._inbox: list[Request] = []
+        self._arrivals = 0  # requests submitted so far
         self._cancels: list[str] = []
         self._closed = False
         self._cond = threading.Condition()
@@ -41,6 +51,7 @@ class EngineRunner:
                 raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
             self._queues[request.request_id] = out
             self._inbox.append(request)
+            self._arrivals += 1
             self._cond.notify()
         return out
 
@@ -61,10 +72,13 @@ class EngineRunner:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        returning, mark, deadline = 0, 0, 0.0  # requests the last step finished, arrivals then, until when to wait
         while True:
             with self._cond:
                 while not (self._closed or self._inbox or self._cancels or self.engine.has_unfinished()):
                     self._cond.wait()
+                while self._arrivals - mark < returning and not self._closed and time.monotonic() < deadline:
+                    self._cond.wait(deadline - time.monotonic())
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 closed = self._closed
@@ -82,6 +96,9 @@ class EngineRunner:
                 outputs += self.engine.step()
             except Exception as exc:  # deliver to the requests of the failed step, keep serving
                 outputs += self.engine.abort_running(f"{type(exc).__name__}: {exc}")
+            returning = sum(out.finished for out in outputs) if self.regather_s else 0
+            with self._cond:
+                mark, deadline = self._arrivals, time.monotonic() + self.regather_s
             self._deliver(outputs)
             if closed:
                 return

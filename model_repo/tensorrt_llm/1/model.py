@@ -1,6 +1,7 @@
 """Triton model `tensorrt_llm` / `tensorrt_llm_draft` (reference toolchain): the tensorrtllm backend's
 interface over the reference engine. An EngineRunner thread steps the engine, so every concurrent request
-(plain, or verifying external draft tokens) is batched in flight. Decoupled or not (serving.decoupled), each
+(plain, or verifying external draft tokens) is batched in flight; it regathers the BLS's chained requests
+(pipeline/reference/runner.py) so that rounds of concurrent requests share steps. Decoupled or not (serving.decoupled), each
 request is handed to the engine at once and answered through its response sender: streamed when decoupled,
 one response otherwise. As in NVIDIA's C++ backend, a request with `stop` true cancels the running requests
 that carry its Triton request id and gets one empty final response (the tensorrtllm backend's handleStopRequest in
@@ -17,7 +18,8 @@ import triton_python_backend_utils as pb_utils
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
-from pipeline.serving.reference_adapter import ResponseBuilder, engine_request, load_serving_engine, stop_requested
+from pipeline.serving.reference_adapter import (REGATHER_S, ResponseBuilder, engine_request, load_serving_engine,
+                                                stop_requested)
 from pipeline.serving.metrics import EngineMetrics
 from pipeline.serving.errors import RequestError, Stopped
 
@@ -35,7 +37,7 @@ class TritonPythonModel:
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
         self.vocab_size = self.engine.model.vocab_size
-        self.runner = EngineRunner(self.engine)
+        self.runner = EngineRunner(self.engine, regather_s=REGATHER_S)
         self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
         self.stopped: set[str] = set()  # engine request ids a `stop` request ended: they end normally
         self.running_lock = threading.Lock()
