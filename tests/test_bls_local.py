@@ -139,3 +139,42 @@ def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
     assert results[3][0] == results[0][0]
     np.testing.assert_allclose(results[3][1], results[0][1], atol=1e-4)
     np.testing.assert_allclose(results[3][2], results[0][2], atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["draft_target", "ngram"])
+def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
+    """max_batch_for_speculation: with 3 requests in flight and a gate of 1 they decode plain chunks (at most the
+    first request's first round, before the others arrive, speculates) and the text is plain's; a lone request
+    under the same gate, or the 3 under a gate of 3, speculate every round."""
+    runners, tokenizer = engines
+    text = "the the the cat sat on the mat and the cat sat on the"
+
+    def concurrently(gate, n):
+        settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode,
+                               max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
+                               max_batch_for_speculation=gate)
+        sink = Rounds()
+        decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink)
+        inputs = {"text_input": np.array([[text.encode()]], dtype=object),
+                  "max_tokens": np.array([[24]], dtype=np.int32), "num_draft_tokens": np.array([[3]], dtype=np.int32)}
+        req = parse_text_request(inputs, settings, tokenizer)
+
+        async def one():
+            chunks = [c async for c in decoder.generate(req, lambda: False)]
+            return [t for c in chunks for t in c.token_ids], chunks[-1].stats.rounds
+
+        async def all_of_them():
+            return await asyncio.gather(*(one() for _ in range(n)))
+
+        outs = asyncio.run(all_of_them())
+        assert decoder.in_flight == 0
+        return [tokens for tokens, _ in outs], sum(rounds for _, rounds in outs)  # speculative rounds of all requests
+
+    plain, _ = run(local_decoder(runners, mode)[1], tokenizer, local_decoder(runners, mode)[0], text, 24, 0)
+    gated, gated_rounds = concurrently(1, 3)
+    assert gated == [plain] * 3
+    alone, rounds = concurrently(1, 1)
+    assert alone == [plain] and rounds >= 6  # 24 tokens, at most 4 per round
+    ungated, rounds = concurrently(3, 3)
+    assert ungated == [plain] * 3 and rounds >= 18
+    assert gated_rounds <= 1  # only the first request's first round, asked before the others arrived

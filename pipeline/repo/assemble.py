@@ -140,6 +140,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "min_acceptance_rate": str(s.min_acceptance_rate),
+        "max_batch_for_speculation": str(s.max_batch_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
     }
     if traits(s.mode).bls_lookup:

@@ -16,7 +16,9 @@ return_context_logits) come from the target's calls only, so they are the target
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
 stream from target calls of PLAIN_CHUNK_TOKENS tokens. A draft failure switches that request to
-plain decoding, counted and logged; acceptance below min_acceptance_rate does the same.
+plain decoding, counted and logged; acceptance below min_acceptance_rate does the same. While more
+requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
+TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
 A request whose `stop()` turns true (client gone, server shutting down) ends within one round or
 one plain chunk by raising `Stopped`: it never ends with a final response that looks complete.
 """
@@ -135,6 +137,7 @@ class SpeculativeDecoder:
         self.log_warning = log_warning
         # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
         self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
+        self.in_flight = 0  # generate() calls running in this model instance (the batch gate counts them)
 
     def check_limits(self, req: TextRequest) -> None:
         """Speculative requests re-send the whole sequence each round: it must fit the target's input limit."""
@@ -154,20 +157,39 @@ class SpeculativeDecoder:
         Raises Stopped when `cancelled()` turned true before the request finished.
         """
         self.check_limits(req)
+        self.in_flight += 1
+        try:
+            async for chunk in self._generate(req, cancelled):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    def gated(self) -> bool:
+        """The batch gate: more requests in flight here than speculative.max_batch_for_speculation decode plainly."""
+        return self.in_flight > self.settings.max_batch_for_speculation
+
+    async def _generate(self, req: TextRequest, cancelled: Callable[[], bool]) -> AsyncIterator[Chunk]:
         stats = RequestStats()
         generated: list[int] = []
         speculate = self.speculates(req)
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
-            if not speculate or remaining == 1:
-                async for out in self._plain(req, generated, remaining, cancelled):
+            gated = speculate and self.gated()
+            if not speculate or remaining == 1 or gated:
+                # plain to the end, or one plain chunk while the gate holds (then the gate is asked again)
+                budget = min(PLAIN_CHUNK_TOKENS, remaining) if gated else remaining
+                got, reason = 0, None
+                async for out in self._plain(req, generated, budget, cancelled):
+                    got += len(out.tokens)
                     keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
                     generated += out.tokens[:keep]
                     if keep or out.context_logits is not None:
                         yield Chunk(out.tokens[:keep], target=out.head(keep))
                     if reason:
                         break
+                if gated and not reason and got == budget and not cancelled():
+                    continue
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
             try:

@@ -125,6 +125,7 @@ class BlsSettings:
     verify_input_len: int = 2047  # longest input_ids the target accepts (a verify call re-sends the sequence)
     min_new_tokens_for_speculation: int = 0
     min_acceptance_rate: float = 0.0
+    max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
     stall_timeout_s: float = 60.0  # a model call with no response for this long fails
 
