@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 
 from pipeline import gpus, llmapi
-from pipeline.spec import Spec
+from pipeline.spec import Spec, check_spec_paths
 from pipeline.spec import load_spec as load_spec_fields
 
 # The rules a spec's `toolchain` adds, by toolchain (auto and reference add none).
@@ -31,5 +31,11 @@ def check_toolchain_rules(spec: Spec, toolchain: str | None = None) -> Spec:
 
 
 def load_spec(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), check_paths: bool = True) -> Spec:
-    """pipeline.spec.load_spec, then the spec's toolchain rules: a spec as the stages may use it."""
-    return check_toolchain_rules(load_spec_fields(path, overrides, check_paths=check_paths))
+    """pipeline.spec.load_spec with the spec's toolchain rules: a spec as the stages may use it.
+
+    The rules run before the paths are checked: what the toolchain cannot run is said before asking for files.
+    """
+    spec = check_toolchain_rules(load_spec_fields(path, overrides, check_paths=False))
+    if check_paths:
+        check_spec_paths(spec)
+    return spec
