@@ -4,13 +4,19 @@ Runs the spec's reference engines on the real Triton server, streams each answer
 twice (num_draft_tokens 0, then the spec's K), prints acceptance and the measured speedup, and
 stops the server. The prompts are grounded (the answer copies from the prompt), the case where
 prompt-lookup speculation pays.
+
+The speedup of a prompt is the median over `repeats` pairs of runs (plain, then speculative, back to
+back; the first pair is the one streamed to the terminal): one pair on a shared 2-core machine swings
+by about 0.2x.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from clients.client import Completion, GenerateRequest, TritonClient
 from pipeline.cliargs import add_spec_arguments, spec_from_args
@@ -25,6 +31,30 @@ DEMO_PROMPTS = [
     "Write the same list again, one fruit per line, numbered.",
 ]
 MAX_TOKENS = 96
+REPEATS = 3  # timed pairs per prompt; the speedup is their median
+
+
+@dataclass
+class PromptResult:
+    """One demo prompt: its plain and speculative runs, pair by pair (pairs[0] was streamed to the terminal)."""
+
+    question: str
+    pairs: list[tuple[Completion, Completion]]
+
+    @property
+    def ratios(self) -> list[float]:
+        """plain latency / speculative latency of each pair."""
+        return [plain.latency_s / spec.latency_s for plain, spec in self.pairs]
+
+    @property
+    def speedup(self) -> float:
+        """The median ratio."""
+        return statistics.median(self.ratios)
+
+    @property
+    def identical(self) -> bool:
+        """Every run produced the same text."""
+        return len({run.text for pair in self.pairs for run in pair}) == 1
 
 
 def chat_prompt(tokenizer, question: str) -> str:
@@ -59,13 +89,15 @@ def describe(run: Completion) -> str:
     return line
 
 
-def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
-    """Build what is missing, serve, stream the demo prompts plain and speculative; returns the run pairs."""
+def run_demo(spec, log=print, repeats: int = REPEATS) -> list[PromptResult]:
+    """Build what is missing, serve, stream the demo prompts plain and speculative, time `repeats` pairs each."""
     from specbuild.toolchains.reference import run_reference
     from pipeline.repo.assemble import assemble
     from pipeline.server import TritonServer, free_ports, port_is_free
     from pipeline.serving.text import load_tokenizer
 
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: time at least one pair per prompt")
     t0 = time.perf_counter()
     repo = assemble(run_reference(spec))
     log(f"model repository: {repo} ({time.perf_counter() - t0:.0f} s so far)")
@@ -76,7 +108,7 @@ def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
         log(f"the spec's ports are busy; using HTTP {ports[0]}, gRPC {ports[1]}, metrics {ports[2]}")
     k = spec.speculative.num_draft_tokens
     tokenizer = load_tokenizer(str(spec.models.target.checkpoint))
-    pairs = []
+    results = []
     with TritonServer(repo, host=s.host, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
                       log_file=spec.out_dir / "tritonserver.log") as server:
         log(f"Triton ready on {server.grpc_url} (gRPC), {server.http_url} (HTTP) after {time.perf_counter() - t0:.0f} s; "
@@ -85,29 +117,35 @@ def run_demo(spec, log=print) -> list[tuple[Completion, Completion]]:
         for question in DEMO_PROMPTS:
             prompt = chat_prompt(tokenizer, question)
             log(f"\n>>> {question}")
-            runs = []
+            shown = []
             for draft in (0, k):
                 label = "plain decoding" if draft == 0 else f"speculative ({spec.speculative.mode}, K={draft})"
                 log(f"--- {label}:")
-                runs.append(stream_once(server.grpc_url, prompt, draft, echo=True))
-                log(f"\n    [{describe(runs[-1])}]")
-            plain, spec_run = runs
-            log(f"    speedup {plain.latency_s / spec_run.latency_s:.2f}x; identical text: {'yes' if plain.text == spec_run.text else 'no'}")
-            pairs.append((plain, spec_run))
-    total_plain = sum(p.latency_s for p, _ in pairs)
-    total_spec = sum(q.latency_s for _, q in pairs)
-    drafted = sum(q.total_draft_tokens for _, q in pairs)
-    accepted = sum(q.total_accepted_draft_tokens for _, q in pairs)
+                shown.append(stream_once(server.grpc_url, prompt, draft, echo=True))
+                log(f"\n    [{describe(shown[-1])}]")
+            result = PromptResult(question, [tuple(shown)])
+            for _ in range(repeats - 1):
+                result.pairs.append(tuple(stream_once(server.grpc_url, prompt, draft, echo=False) for draft in (0, k)))
+            ratios = ", ".join(f"{r:.2f}" for r in result.ratios)
+            log(f"    speedup {result.speedup:.2f}x (median of {len(result.pairs)} pairs: {ratios}); "
+                f"identical text: {'yes' if result.identical else 'no'}")
+            results.append(result)
+    total_plain = sum(statistics.median(p.latency_s for p, _ in r.pairs) for r in results)
+    total_spec = sum(statistics.median(q.latency_s for _, q in r.pairs) for r in results)
+    drafted = sum(r.pairs[0][1].total_draft_tokens for r in results)
+    accepted = sum(r.pairs[0][1].total_accepted_draft_tokens for r in results)
     log(f"\nsummary: acceptance {accepted}/{drafted} ({100 * accepted / max(drafted, 1):.0f}%), "
-        f"speedup {total_plain / total_spec:.2f}x over {len(pairs)} prompts; demo took {time.perf_counter() - t0:.0f} s; "
-        "server stopped")
-    return pairs
+        f"speedup {total_plain / total_spec:.2f}x over {len(results)} prompts (median latencies); "
+        f"identical text: {'yes' if all(r.identical for r in results) else 'no'}; "
+        f"demo took {time.perf_counter() - t0:.0f} s; server stopped")
+    return results
 
 
 def add_parser(subparsers) -> None:
     """Register `demo SPEC`."""
     p = subparsers.add_parser("demo", help="engines -> repository -> Triton -> streamed requests, plain vs speculative")
     add_spec_arguments(p)
+    p.add_argument("--repeats", type=int, default=REPEATS, help="timed plain/speculative pairs per prompt (median)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -117,5 +155,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not traits(spec.speculative.mode).bls_drafts:
         raise SpecError("speculative.mode", f"the demo compares BLS speculation, not {spec.speculative.mode!r}",
                         "use examples/default.yaml (ngram) or examples/draft-target.yaml")
-    run_demo(spec)
-    return 0
+    results = run_demo(spec, repeats=args.repeats)
+    return 0 if all(r.identical for r in results) else 1
