@@ -41,6 +41,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
 DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Attention calls run with their key count padded (masked keys) to a multiple of KEY_ALIGN. Torch's CPU SDPA
+# gives a query row the same bits for any such key count when the row is alone in its batch element, while
+# unaligned counts (vector tails) and 2 or more rows per element round differently (measured: docs/engine.md).
+KEY_ALIGN = 16
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> dict:
@@ -246,7 +250,8 @@ class LlamaModel(torch.nn.Module):
         first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
-        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
+        plan = _AttentionPlan.build(seqs, kv.block_size)
+        kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
         with _intra_op_threads(self.decode_threads if small else None):
@@ -290,20 +295,23 @@ class LlamaModel(torch.nn.Module):
         return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
-        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
+        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D].
+
+        Every row is its own batch element of its group's SDPA call, over S aligned keys (see KEY_ALIGN).
+        """
         out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
-        for start, end, key_slots, mask in plan.groups:  # B sequences of n rows each
-            if isinstance(key_slots, slice):  # one sequence over consecutive slots: views, no gather
-                B, S = 1, key_slots.stop - key_slots.start
+        for start, end, keys, mask in plan.groups:
+            if isinstance(keys, slice):  # one sequence over consecutive slots: views, no gather
+                G, S = 1, keys.stop - keys.start
             else:
-                B, S = key_slots.shape
-                key_slots = key_slots.flatten()
-            k, v = kv.gather(layer, key_slots)  # [B * S, KVH, D] each
-            k = k.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [B, KVH, S, D]
-            v = v.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)
-            qb = q[start:end].view(B, -1, self.num_heads, self.head_size).transpose(1, 2)  # [B, H, n, D]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, H, n, D]
-            out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
+                G, S = keys.shape
+                keys = keys.flatten()
+            k, v = kv.gather(layer, keys)  # [G * S, KVH, D] each
+            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(end - start, -1, -1, -1)
+            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(end - start, -1, -1, -1)
+            qb = q[start:end].unsqueeze(2)  # [rows, H, 1, D]: one query row per batch element
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [rows, H, 1, D]
+            out[start:end] = o.view(end - start, -1)
         return out
 
 
@@ -323,15 +331,18 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    # (row start, row end, key slots [B, S] or a slice of consecutive slots (B = 1), mask [B, 1, n, S] or [n, S]
-    # or None): B sequences of n rows each
+    # (row start, row end, keys, mask): rows start..end-1 of the flat batch attend in one SDPA call, each row as
+    # its own batch element. keys: a slice of S consecutive cache slots or slots [G, S] (G = 1: shared by the
+    # rows, one sequence; G = rows: one sequence per row), S a multiple of KEY_ALIGN; mask [rows, 1, 1, S]
+    # (True = attend) or None when every row sees all S keys
     groups: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
+    pad_slots: torch.Tensor  # [P] slots past the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
-        token_ids, positions, slots, groups, logits_rows = [], [], [], [], []
-        decodes: list[tuple[int, torch.Tensor]] = []  # consecutive one-token sequences: one batched SDPA
+    def build(cls, seqs: list[SequenceInput], block_size: int) -> "_AttentionPlan":
+        token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
+        decodes: list[tuple[int, torch.Tensor]] = []  # consecutive one-token sequences: one SDPA call
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -340,7 +351,7 @@ class _AttentionPlan:
             blocks = torch.tensor(seq.block_table, dtype=torch.long)
             if len(seq.block_table) * block_size < c + n:
                 raise ValueError(f"block table holds {len(seq.block_table) * block_size} tokens, the sequence needs {c + n}")
-            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:c + n]  # [c + n]
+            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # [capacity]
             if seq.parents is None:
                 depth = list(range(1, n + 1))
                 ancestors = None
@@ -353,53 +364,72 @@ class _AttentionPlan:
                     ancestors.append(([] if p < 0 else ancestors[p]) + [i])
             token_ids += seq.token_ids
             positions += [c + d - 1 for d in depth]
-            slots.append(all_slots[c:])
-            if batch_invariant:
-                for i in range(n):  # one group per token: exactly the keys it sees, as in plain decoding
-                    visible = range(i + 1) if ancestors is None else ancestors[i]
-                    key_slots = torch.cat([all_slots[:c], all_slots[[c + a for a in visible]]])
-                    groups.append((row + i, row + i + 1, _slots_or_range(key_slots), None))
-            elif n == 1:
-                decodes.append((row, all_slots))
+            slots.append(all_slots[c:c + n])
+            if n == 1 and ancestors is None:
+                decodes.append((row, all_slots[:c + 1]))
             else:
-                groups += _decode_group(decodes)
+                groups += _decode_group(decodes, block_size, pad_slots)
                 decodes = []
+                visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
                 if ancestors is not None:
-                    mask = torch.zeros(n, c + n, dtype=torch.bool)  # [n, S] True = attend
-                    mask[:, :c] = True
+                    visible[:, c:] = False
                     for i, anc in enumerate(ancestors):
-                        mask[i, [c + a for a in anc]] = True
-                else:
-                    mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
-                groups.append((row, row + n, _slots_or_range(all_slots), mask))
+                        visible[i, [c + a for a in anc]] = True
+                keys, S = _slots_or_range(all_slots, c + n, block_size, pad_slots)
+                groups.append((row, row + n, keys, _key_mask(visible, S)))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
-        groups += _decode_group(decodes)
+        groups += _decode_group(decodes, block_size, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
-        return cls(token_ids, positions, torch.cat(slots), groups, logits_index)
+        pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
+        return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
 
 
-def _decode_group(decodes: list[tuple[int, torch.Tensor]]) -> list[tuple]:
-    """One attention group for consecutive one-token rows: keys padded to the longest context and masked."""
+def _aligned(length: int) -> int:
+    """The key count an attention call over `length` keys runs with: the next multiple of KEY_ALIGN."""
+    return -(-length // KEY_ALIGN) * KEY_ALIGN
+
+
+def _key_mask(visible: torch.Tensor, S: int) -> torch.Tensor | None:
+    """visible [rows, L] (True = attend) padded with masked keys to [rows, 1, 1, S]; None when all S are visible."""
+    if visible.shape[1] == S and bool(visible.all()):
+        return None
+    return F.pad(visible, (0, S - visible.shape[1]), value=False)[:, None, None, :]
+
+
+def _decode_group(decodes: list[tuple[int, torch.Tensor]], block_size: int, pad_slots: list[torch.Tensor]) -> list[tuple]:
+    """One attention group for consecutive one-token rows (one sequence each): every row its own keys, aligned."""
     if not decodes:
         return []
     if len(decodes) == 1:
         row, key_slots = decodes[0]
-        return [(row, row + 1, _slots_or_range(key_slots), None)]
-    longest = max(len(k) for _, k in decodes)
-    key_slots = torch.stack([F.pad(k, (0, longest - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
-    lengths = torch.tensor([len(k) for _, k in decodes])
-    mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    return [(decodes[0][0], decodes[-1][0] + 1, key_slots, mask)]
+        keys, S = _slots_or_range(key_slots, len(key_slots), block_size, pad_slots)
+        return [(row, row + 1, keys, _key_mask(torch.ones(1, len(key_slots), dtype=torch.bool), S))]
+    S = _aligned(max(len(k) for _, k in decodes))
+    # padding keys repeat each row's first slot (masked; any finite value gives the same bits)
+    key_slots = torch.stack([F.pad(k, (0, S - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
+    visible = torch.arange(S)[None, :] < torch.tensor([len(k) for _, k in decodes])[:, None]  # [B, S]
+    return [(decodes[0][0], decodes[-1][0] + 1, key_slots, _key_mask(visible, S))]
 
 
-def _slots_or_range(slots: torch.Tensor) -> torch.Tensor | slice:
-    """One sequence's key slots [S]: a slice when they are consecutive (a view of the cache, no gather), else [1, S]."""
+def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int,
+                    pad_slots: list[torch.Tensor]) -> tuple[torch.Tensor | slice, int]:
+    """One sequence's keys: its first `length` slots of all_slots [capacity], aligned to S = _aligned(length).
+
+    Returns (keys, S). keys is a slice when the slots are consecutive (a view of the cache, no gather):
+    its padding slots follow the sequence's last token in its own last block and are added to pad_slots,
+    which the forward zeroes (never-written cache memory may hold NaN). Otherwise slots [1, S], padded
+    with the first slot.
+    """
+    slots, S = all_slots[:length], _aligned(length)
     first = int(slots[0])
-    if int(slots[-1]) - first == len(slots) - 1 and (len(slots) < 3 or bool((slots.diff() == 1).all())):
-        return slice(first, first + len(slots))
-    return slots[None]
+    consecutive = int(slots[-1]) - first == length - 1 and (length < 3 or bool((slots.diff() == 1).all()))
+    if consecutive and block_size % KEY_ALIGN == 0:
+        if S > length:
+            pad_slots.append(all_slots[length:S])
+        return slice(first, first + S), S
+    return F.pad(slots, (0, S - length), value=first)[None], S
 
 
 @contextmanager
