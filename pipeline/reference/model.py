@@ -14,10 +14,12 @@ weights are dequantized at load (no faster CPU kernel that keeps them, see docs/
 
 `batch_invariant=True` makes every token's result independent of what else is in the batch
 (bit-for-bit): every linear whose kernel is not batch-invariant by construction runs row by row
-(CPU fp32 GEMM kernels round differently for different row counts) and every token attends
-through its own SDPA call over exactly its visible keys, the same shapes plain one-token decoding
-uses. Exactness tests (speculative == plain) use it; with the int8 kernels it costs little, since
-their linears take all rows in one call.
+(CPU fp32 GEMM kernels round differently for different row counts), and attention runs every
+token as its own batch element of its sequence's SDPA call, over keys padded with masked keys to a
+multiple of KEY_ALIGN (see there). Serving and the exactness tests (speculative == plain) use it;
+with the int8 kernels it costs little, since their linears take all rows in one call. Off, a
+sequence's new tokens attend as the query rows of one masked SDPA call (cheaper for long contexts,
+but a verify then rounds differently from plain decoding).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
 DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Attention calls run with their key count padded (masked keys) to a multiple of KEY_ALIGN. Torch's CPU SDPA
-# gives a query row the same bits for any such key count when the row is alone in its batch element, while
-# unaligned counts (vector tails) and 2 or more rows per element round differently (measured: docs/engine.md).
+# Batch-invariant attention runs every query row as its own SDPA batch element over its keys padded (masked)
+# to a multiple of KEY_ALIGN: torch's CPU SDPA then gives a row the same bits for any such key count, so alone,
+# in a verify or beside other sequences alike. Unaligned key counts (vector tails), and 2 or more query rows per
+# batch element, round differently; so does a batch of rows on two threads (exact mode runs on decode_threads = 1).
+# Measured: docs/engine.md, "Batch invariance"; tests/test_model.py.
 KEY_ALIGN = 16
 
 
@@ -250,7 +254,7 @@ class LlamaModel(torch.nn.Module):
         first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
-        plan = _AttentionPlan.build(seqs, kv.block_size)
+        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
         kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
@@ -295,23 +299,20 @@ class LlamaModel(torch.nn.Module):
         return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
-        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D].
-
-        Every row is its own batch element of its group's SDPA call, over S aligned keys (see KEY_ALIGN).
-        """
+        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
         out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
-        for start, end, keys, mask in plan.groups:
+        for start, end, batch, keys, mask in plan.groups:  # rows start..end-1 as `batch` SDPA batch elements
             if isinstance(keys, slice):  # one sequence over consecutive slots: views, no gather
                 G, S = 1, keys.stop - keys.start
             else:
                 G, S = keys.shape
                 keys = keys.flatten()
             k, v = kv.gather(layer, keys)  # [G * S, KVH, D] each
-            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(end - start, -1, -1, -1)
-            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(end - start, -1, -1, -1)
-            qb = q[start:end].unsqueeze(2)  # [rows, H, 1, D]: one query row per batch element
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [rows, H, 1, D]
-            out[start:end] = o.view(end - start, -1)
+            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(batch, -1, -1, -1)  # [batch, KVH, S, D]
+            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(batch, -1, -1, -1)
+            qb = q[start:end].view(batch, -1, self.num_heads, self.head_size).transpose(1, 2)  # [batch, H, rows / batch, D]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
         return out
 
 
@@ -331,18 +332,19 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    # (row start, row end, keys, mask): rows start..end-1 of the flat batch attend in one SDPA call, each row as
-    # its own batch element. keys: a slice of S consecutive cache slots or slots [G, S] (G = 1: shared by the
-    # rows, one sequence; G = rows: one sequence per row), S a multiple of KEY_ALIGN; mask [rows, 1, 1, S]
-    # (True = attend) or None when every row sees all S keys
-    groups: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
-    pad_slots: torch.Tensor  # [P] slots past the sequences' last tokens that attention reads masked: zeroed first
+    # (row start, row end, batch, keys, mask): one SDPA call for rows start..end-1 of the flat batch, as `batch`
+    # batch elements of (end - start) / batch query rows each. keys: a slice of S consecutive cache slots, or
+    # slots [G, S] (G = 1 or batch); mask [batch, 1, rows, S] or [rows, S] (True = attend), None: all S visible
+    groups: list[tuple[int, int, int, torch.Tensor | slice, torch.Tensor | None]]
+    pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int) -> "_AttentionPlan":
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
+        """The plan of a forward; batch_invariant: every row its own batch element over aligned keys (KEY_ALIGN)."""
+        align = KEY_ALIGN if batch_invariant else 1
         token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
-        decodes: list[tuple[int, torch.Tensor]] = []  # consecutive one-token sequences: one SDPA call
+        decodes: list[tuple[int, torch.Tensor, int]] = []  # consecutive one-token sequences (row, slots, keys): one call
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -365,67 +367,65 @@ class _AttentionPlan:
             token_ids += seq.token_ids
             positions += [c + d - 1 for d in depth]
             slots.append(all_slots[c:c + n])
-            if n == 1 and ancestors is None:
-                decodes.append((row, all_slots[:c + 1]))
+            if n == 1:
+                decodes.append((row, all_slots, c + 1))
             else:
-                groups += _decode_group(decodes, block_size, pad_slots)
+                groups += _decode_group(decodes, block_size, align, pad_slots)
                 decodes = []
                 visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
                 if ancestors is not None:
                     visible[:, c:] = False
                     for i, anc in enumerate(ancestors):
                         visible[i, [c + a for a in anc]] = True
-                keys, S = _slots_or_range(all_slots, c + n, block_size, pad_slots)
-                groups.append((row, row + n, keys, _key_mask(visible, S)))
+                keys, S = _slots_or_range(all_slots, c + n, block_size, align, pad_slots)
+                mask = F.pad(visible, (0, S - c - n), value=False)  # [n, S]
+                # batch-invariant: each row its own batch element [n, 1, 1, S]; else n query rows of one [n, S]
+                groups.append((row, row + n, n, keys, mask[:, None, None, :]) if batch_invariant
+                              else (row, row + n, 1, keys, mask))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
-        groups += _decode_group(decodes, block_size, pad_slots)
+        groups += _decode_group(decodes, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
         return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
 
 
-def _aligned(length: int) -> int:
-    """The key count an attention call over `length` keys runs with: the next multiple of KEY_ALIGN."""
-    return -(-length // KEY_ALIGN) * KEY_ALIGN
+def _aligned(length: int, align: int) -> int:
+    """The key count of an attention call over `length` keys: the next multiple of `align`."""
+    return -(-length // align) * align
 
 
-def _key_mask(visible: torch.Tensor, S: int) -> torch.Tensor | None:
-    """visible [rows, L] (True = attend) padded with masked keys to [rows, 1, 1, S]; None when all S are visible."""
-    if visible.shape[1] == S and bool(visible.all()):
-        return None
-    return F.pad(visible, (0, S - visible.shape[1]), value=False)[:, None, None, :]
-
-
-def _decode_group(decodes: list[tuple[int, torch.Tensor]], block_size: int, pad_slots: list[torch.Tensor]) -> list[tuple]:
-    """One attention group for consecutive one-token rows (one sequence each): every row its own keys, aligned."""
+def _decode_group(decodes: list[tuple[int, torch.Tensor, int]], block_size: int, align: int,
+                  pad_slots: list[torch.Tensor]) -> list[tuple]:
+    """One attention group for consecutive one-token rows (row, the sequence's slots, its key count): one batch
+    element per row, keys padded and masked."""
     if not decodes:
         return []
+    lengths = torch.tensor([length for _, _, length in decodes])
     if len(decodes) == 1:
-        row, key_slots = decodes[0]
-        keys, S = _slots_or_range(key_slots, len(key_slots), block_size, pad_slots)
-        return [(row, row + 1, keys, _key_mask(torch.ones(1, len(key_slots), dtype=torch.bool), S))]
-    S = _aligned(max(len(k) for _, k in decodes))
-    # padding keys repeat each row's first slot (masked; any finite value gives the same bits)
-    key_slots = torch.stack([F.pad(k, (0, S - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
-    visible = torch.arange(S)[None, :] < torch.tensor([len(k) for _, k in decodes])[:, None]  # [B, S]
-    return [(decodes[0][0], decodes[-1][0] + 1, key_slots, _key_mask(visible, S))]
+        row, all_slots, length = decodes[0]
+        keys, S = _slots_or_range(all_slots, length, block_size, align, pad_slots)
+    else:
+        S = _aligned(int(lengths.max()), align)
+        # padding keys repeat each row's first slot (masked: any finite value gives the same bits)
+        keys = torch.stack([F.pad(k[:n], (0, S - n), value=int(k[0])) for _, k, n in decodes])  # [B, S]
+    mask = None if S == int(lengths.min()) else (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    return [(decodes[0][0], decodes[-1][0] + 1, len(decodes), keys, mask)]
 
 
-def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int,
+def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int, align: int,
                     pad_slots: list[torch.Tensor]) -> tuple[torch.Tensor | slice, int]:
-    """One sequence's keys: its first `length` slots of all_slots [capacity], aligned to S = _aligned(length).
+    """One sequence's first `length` key slots of all_slots [capacity], padded to S = _aligned(length, align).
 
-    Returns (keys, S). keys is a slice when the slots are consecutive (a view of the cache, no gather):
-    its padding slots follow the sequence's last token in its own last block and are added to pad_slots,
-    which the forward zeroes (never-written cache memory may hold NaN). Otherwise slots [1, S], padded
-    with the first slot.
+    Returns (keys, S): a slice when the slots are consecutive (a view of the cache, no gather), its padding
+    slots, which follow the sequence's last token in its own last block, added to pad_slots (the forward
+    zeroes them: never-written cache memory may hold NaN); else slots [1, S] padded with the first slot.
     """
-    slots, S = all_slots[:length], _aligned(length)
+    slots, S = all_slots[:length], _aligned(length, align)
     first = int(slots[0])
     consecutive = int(slots[-1]) - first == length - 1 and (length < 3 or bool((slots.diff() == 1).all()))
-    if consecutive and block_size % KEY_ALIGN == 0:
+    if consecutive and block_size % align == 0:
         if S > length:
             pad_slots.append(all_slots[length:S])
         return slice(first, first + S), S
