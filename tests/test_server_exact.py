@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from clients.chat import ChatTemplate
 from pipeline.spec import load_spec
 from specbuild.toolchains.reference import run_reference
 from tests.test_server_sampling import bls_request, engine_request, output_ids
@@ -24,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 
-def summarize_prompts() -> list[str]:
-    """The user messages of the 8 summarize prompts."""
+def summarize_prompts(tokenizer_dir: Path) -> list[str]:
+    """The 8 summarize prompts in the model's chat template, as `make bench` sends them."""
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir)
     lines = (ROOT / "clients" / "prompts" / "summarize.jsonl").read_text().splitlines()
-    return [json.loads(line)["messages"][-1]["content"] for line in lines if line.strip()]
+    return [template.render(json.loads(line)["messages"]) for line in lines if line.strip()]
 
 
 def ngram_spec(folder: Path, target: Path, draft: Path, **overrides):
@@ -52,7 +54,7 @@ def answers(server, texts: list[str], max_tokens: int, k: int, in_flight: int) -
 def check_greedy_identity(server, texts: list[str], max_tokens: int) -> None:
     """K=5 == K=0 at concurrency 1 and with len(texts) in flight, and K=0 alone == K=0 in flight."""
     plain, drafted = answers(server, texts, max_tokens, 0, 1)
-    assert drafted == 0 and all(plain)
+    assert drafted == 0 and sum(map(len, plain)) > 4 * len(texts)
     plain_batched, _ = answers(server, texts, max_tokens, 0, len(texts))
     assert plain_batched == plain
     for in_flight in (1, len(texts)):
@@ -69,9 +71,9 @@ def exact_server(tmp_path_factory, derived_pair):
         yield server
 
 
-def test_greedy_speculation_equals_plain_alone_and_with_8_in_flight(exact_server):
+def test_greedy_speculation_equals_plain_alone_and_with_8_in_flight(exact_server, derived_pair):
     """The 8 summarize prompts, 48 tokens each, through the ensemble."""
-    check_greedy_identity(exact_server, summarize_prompts(), 48)
+    check_greedy_identity(exact_server, summarize_prompts(derived_pair[0]), 48)
 
 
 def generation_logits(results: list) -> np.ndarray:
@@ -85,7 +87,7 @@ def test_verified_tokens_get_plain_decodings_logits_bit_for_bit(exact_server, de
     drafts returns, for the 6 tokens it emits, exactly the logits plain decoding returned for them, alone and
     with 8 requests in flight; plain decoding returns the same logits with 8 in flight as alone."""
     tok = AutoTokenizer.from_pretrained(derived_pair[0])
-    prompts = [tok.encode(t, add_special_tokens=False)[:200] for t in summarize_prompts()]
+    prompts = [tok.encode(t, add_special_tokens=False)[:200] for t in summarize_prompts(derived_pair[0])]
     url = exact_server.grpc_url
 
     def plain(ids: list[int]) -> dict:
@@ -114,4 +116,4 @@ def test_smollm2_greedy_speculation_equals_plain_alone_and_with_8_in_flight(tmp_
         pytest.skip("SmolLM2-135M-Instruct is not downloaded; run `make models`")
     spec = ngram_spec(tmp_path_factory.mktemp("exact-smollm2"), SMOLLM2, SMOLLM2)
     with serving(run_reference(spec)) as (server, _):
-        check_greedy_identity(server, summarize_prompts(), 128)
+        check_greedy_identity(server, summarize_prompts(SMOLLM2), 128)
