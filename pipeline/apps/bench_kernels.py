@@ -214,13 +214,13 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
     times = {(d, t, case): [] for d in models for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
-    for _ in range(reps):
-        bandwidth.append(bandwidth_gbs(buffer))
+    for rep in range(reps):
+        bandwidth.append(bandwidth_gbs(buffer))  # evicts the caches: the case right after it runs cold
         for t in threads:
             torch.set_num_threads(t)
             for d, model in models.items():
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
-                for n, b, invariant in cases:
+                for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
                     model(seqs(d, n, b), caches[d])

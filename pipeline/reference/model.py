@@ -308,8 +308,10 @@ class LlamaModel(torch.nn.Module):
                 G, S = keys.shape
                 keys = keys.flatten()
             k, v = kv.gather(layer, keys)  # [G * S, KVH, D] each
-            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(batch, -1, -1, -1)  # [batch, KVH, S, D]
-            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2).expand(batch, -1, -1, -1)
+            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [G, KVH, S, D]
+            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)
+            if G != batch:  # one sequence's keys for every row: a stride-0 batch view
+                k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
             qb = q[start:end].view(batch, -1, self.num_heads, self.head_size).transpose(1, 2)  # [batch, H, rows / batch, D]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
