@@ -44,7 +44,7 @@ def main() -> None:
     """CLI (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("engine")
-    parser.add_argument("--rev", default="51d9882", help="git revision to compare against (default: before issue 11's exact attention)")
+    parser.add_argument("--rev", default="51d9882", help="git revision to compare against (default: before exact attention)")
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--context", type=int, default=128)
     args = parser.parse_args()

@@ -336,7 +336,7 @@ class _AttentionPlan:
     slots: torch.Tensor  # [T] cache slot of every new token
     # (row start, row end, batch, keys, mask): one SDPA call for rows start..end-1 of the flat batch, as `batch`
     # batch elements of (end - start) / batch query rows each. keys: a slice of S consecutive cache slots, or
-    # slots [G, S] (G = 1 or batch); mask [batch, 1, rows, S] or [rows, S] (True = attend), None: all S visible
+    # slots [G, S] (G = 1 or batch); mask [batch, 1, rows / batch, S] or [rows, S] (True = attend), None: all visible
     groups: list[tuple[int, int, int, torch.Tensor | slice, torch.Tensor | None]]
     pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
