@@ -7,7 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput, _slots_or_range, config_from_hf, perplexity
+import torch.nn.functional as F
+
+from pipeline.reference.model import (DECODE_ROWS, KEY_ALIGN, LlamaModel, SequenceInput, _slots_or_range, config_from_hf,
+                                        perplexity)
 from pipeline.fixtures.toymodels import tiny_config
 
 BLOCK = 16
@@ -145,8 +148,11 @@ def test_ragged_batch_is_bitwise_batch_invariant(tiny_llama):
 
 def test_consecutive_and_scattered_kv_blocks_give_the_same_bits(tiny_llama):
     """Attention reads a sequence's consecutive KV slots as views and scattered ones by gathering: same logits, bit for bit."""
-    assert isinstance(_slots_or_range(torch.arange(32, 70)), slice)
-    assert not isinstance(_slots_or_range(torch.tensor([32, 33, 35])), slice)
+    pad: list[torch.Tensor] = []
+    assert _slots_or_range(torch.arange(32, 80), 38, 16, KEY_ALIGN, pad) == (slice(32, 80), 48)
+    assert torch.equal(torch.cat(pad), torch.arange(70, 80))  # the aligned view's padding slots, zeroed by the forward
+    keys, S = _slots_or_range(torch.tensor([32, 33, 35]), 3, 16, KEY_ALIGN, pad)
+    assert S == KEY_ALIGN and torch.equal(keys, torch.tensor([[32, 33, 35] + [32] * 13]))  # gathered, padded with the first
     ids = random_ids(40, seed=11)
     for batch_invariant in (False, True):
         model = LlamaModel.from_hf(tiny_llama, batch_invariant=batch_invariant)
@@ -306,3 +312,74 @@ def test_batched_one_token_rows_match_each_alone(tiny_llama):
     batched = model([SequenceInput(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables)], kv).logits
     for s, row in zip(seqs, batched):
         torch.testing.assert_close(row, full_logits(model, s)[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(4, 2, 16), (9, 3, 64)])  # the tiny Llama; SmolLM2-135M
+def test_sdpa_row_alone_in_its_batch_element_ignores_aligned_padding_and_neighbours(heads, kv_heads, head_size):
+    """What batch-invariant attention relies on, over many key counts: torch's CPU SDPA gives a query row that is
+    alone in its batch element the same bits over its L visible keys whatever the KEY_ALIGN-aligned key count
+    (masked padding) and whatever the other batch elements hold, as plain one-token decoding computes it; on one
+    thread, as exact mode runs (on two, a row in a batch of several rounds differently from the row alone)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_aligned_rows(heads, kv_heads, head_size)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_aligned_rows(heads: int, kv_heads: int, head_size: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, kv_heads, 1200, head_size, generator=g)
+    v = torch.randn(1, kv_heads, 1200, head_size, generator=g)
+    q = torch.randn(6, heads, 1, head_size, generator=g)  # [batch, H, one row, D]
+
+    def attend(batch: int, S: int, lengths: list[int]) -> torch.Tensor:
+        mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # [batch, 1, 1, S]
+        return F.scaled_dot_product_attention(q[:batch], k[:, :, :S].expand(batch, -1, -1, -1),
+                                              v[:, :, :S].expand(batch, -1, -1, -1), attn_mask=mask, enable_gqa=True)
+
+    for L in list(range(1, 80)) + list(range(150, 1100, 29)):
+        S = -(-L // KEY_ALIGN) * KEY_ALIGN
+        alone = attend(1, S, [L])[0]
+        if L == S:  # no padding: the same bits as the unmasked call
+            assert torch.equal(alone, F.scaled_dot_product_attention(q[:1], k[:, :, :L], v[:, :, :L], enable_gqa=True)[0])
+        for extra, batch in ((KEY_ALIGN, 1), (2 * KEY_ALIGN, 6), (5 * KEY_ALIGN, 3), (32 * KEY_ALIGN, 2)):
+            if S + extra <= 1200:
+                others = [1 + (L * 7 + j * 13) % (S + extra) for j in range(1, batch)]
+                assert torch.equal(attend(batch, S + extra, [L] + others)[0], alone), (L, extra, batch)
+
+
+def test_verify_rows_and_batched_decodes_equal_plain_decode_steps_bit_for_bit(tiny_llama):
+    """batch_invariant: every token of a 6-token verify, and every decode step beside 7 other sequences, gives
+    the logits plain one-token decoding gives, bit for bit, at context lengths around KEY_ALIGN and block
+    boundaries, from consecutive and scattered blocks, with never-written cache memory holding NaN."""
+    model = LlamaModel.from_hf(tiny_llama, batch_invariant=True)
+
+    def nan_cache():
+        kv = model.new_kv_cache(256, BLOCK)
+        kv.k.fill_(float("nan"))
+        kv.v.fill_(float("nan"))
+        return kv
+
+    others = [random_ids(n, seed=100 + n) for n in (3, 50, 77, 130, 9, 33, 260)]
+    for c in (1, 2, 9, 15, 16, 17, 31, 33, 47, 64, 100, 250):
+        ids = random_ids(c + 6, seed=c)
+        table = blocks_for(0, c + 6)
+        kv = nan_cache()
+        model([SequenceInput(ids[:c], 0, table)], kv)
+        steps = torch.cat([model([SequenceInput([t], c + i, table)], kv).logits for i, t in enumerate(ids[c:])])
+        assert torch.isfinite(steps).all()
+        kv = nan_cache()
+        model([SequenceInput(ids[:c], 0, table)], kv)
+        verify = model([SequenceInput(ids[c:], c, table, logits_rows=list(range(6)))], kv).logits
+        assert torch.equal(verify, steps), c
+        kv = nan_cache()
+        scattered = list(reversed(blocks_for(20, c + 6)))  # gathered keys instead of views
+        tables = [blocks_for(40 + 20 * j, len(o) + 6) for j, o in enumerate(others)]
+        model([SequenceInput(ids[:c], 0, scattered)] + [SequenceInput(o[:-1], 0, t) for o, t in zip(others, tables)], kv)
+        batched = []
+        for i, t in enumerate(ids[c:]):
+            rows = [SequenceInput([o[-1] if i == 0 else 5], len(o) - 1 + i, tb) for o, tb in zip(others, tables)]
+            batched.append(model(rows[:3] + [SequenceInput([t], c + i, scattered)] + rows[3:], kv).logits[3])
+        assert torch.equal(torch.stack(batched), steps), c

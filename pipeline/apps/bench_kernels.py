@@ -8,11 +8,12 @@ the same repeats (the memory floor: weight bytes / bandwidth). For each kernel: 
 batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit), which decides
 whether speculative verification can take all its rows in one call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
-context through the reference model of each engine (attention per token as the exactness tests run
-it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step, and
-the plain decode step's share of the memory roofline (weight bytes / bandwidth of the same repeats),
-per torch thread count (--threads); then one decode step per engine under torch.profiler: the linear
-kernels' time against every other op's, and the number of torch ops.
+context, and one decode step of 8 sequences in flight, through the reference model of each engine,
+batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
+sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step, and the plain decode
+step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
+count (--threads); then one decode step per engine under torch.profiler: the linear kernels' time
+against every other op's, and the number of torch ops.
 
     python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--engines out/default/engines/target ...]
 """
@@ -181,55 +182,63 @@ def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
     return ops, kernel_us / 1000, total_us / 1000
 
 
-def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: int = 128, new: int = 6) -> None:
-    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine and thread count.
+def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: int = 128, new: int = 6,
+                batch: int = 8) -> None:
+    """Part 2: forwards after about `context` cached tokens, per engine and thread count, in both attention modes.
 
-    Prints ms, the verify ratio and the share of the memory roofline (weight bytes / read bandwidth
-    measured in the same repeats); two attention modes: batch-invariant (every token its own SDPA
-    call, as the exactness tests run) and batched (one masked SDPA per sequence, as serving runs).
-    Then, per engine, where one decode step goes (torch.profiler): the linear kernels against
-    everything else, and the number of torch ops.
+    Times one decode step, a verify of `new` tokens, and one decode step of `batch` sequences (contexts
+    spread around `context`: 8 in flight), each batch-invariant (every token its own SDPA batch element
+    over aligned keys, as serving and the exactness tests run) and batched (one masked SDPA per sequence);
+    prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
+    bandwidth measured in the same repeats). Then, per engine, where one decode step goes (torch.profiler):
+    the linear kernels against everything else, and the number of torch ops.
     """
     from pipeline.reference.model import LlamaModel, SequenceInput
 
     models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
-    ids = [(7 * i + 3) % 1000 + 10 for i in range(context + new)]
+    lengths = [context * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)][:batch]  # the in-flight sequences' contexts
+    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + new)]
+    per_seq = -(-(max(lengths) + new) // 32)  # blocks per sequence
     caches = {}
     for d, model in models.items():
-        kv = model.new_kv_cache(-(-(context + new) // 32), 32)
-        model([SequenceInput(ids[:context], 0, list(range(kv.num_blocks)))], kv)
+        kv = model.new_kv_cache(per_seq * batch, 32)
+        model([SequenceInput(ids[:n], 0, list(range(j * per_seq, (j + 1) * per_seq))) for j, n in enumerate(lengths)], kv)
         caches[d] = kv
 
-    def seq(d, n):
-        return SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)), logits_rows=list(range(n)))
+    def seqs(d, n, b):
+        """b sequences bringing n new tokens each (logits for every new token)."""
+        return [SequenceInput(ids[lengths[j]:lengths[j] + n], lengths[j], list(range(j * per_seq, (j + 1) * per_seq)),
+                              logits_rows=list(range(n))) for j in range(b)]
 
-    cases = [(1, True), (new, True), (new, False)]
+    cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch)) for invariant in (True, False)]
     times = {(d, t, case): [] for d in models for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
-    for _ in range(reps):
-        bandwidth.append(bandwidth_gbs(buffer))
+    for rep in range(reps):
+        bandwidth.append(bandwidth_gbs(buffer))  # evicts the caches: the case right after it runs cold
         for t in threads:
             torch.set_num_threads(t)
             for d, model in models.items():
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
-                for n, invariant in cases:
+                for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
-                    model([seq(d, n)], caches[d])
-                    times[(d, t, (n, invariant))].append(time.perf_counter() - start)
+                    model(seqs(d, n, b), caches[d])
+                    times[(d, t, (n, b, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
-    print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forward after {context} "
-          f"cached tokens, median of {reps}")
-    print(f"| engine | threads | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, "
-          "batched attention | ratio | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forwards after {context} cached "
+          f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
+          "batched = one masked SDPA per sequence")
+    print(f"| engine | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
+          f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | roofline share at 1 token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, model in models.items():
         for t in threads:
-            one, *many = (statistics.median(times[(d, t, case)]) for case in cases)
+            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[(d, t, case)]) for case in cases)
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
-                  + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
+                  f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
+                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
     torch.set_num_threads(threads[0])
     for model in models.values():
         model.decode_threads = threads[0]
@@ -238,7 +247,7 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
     print("|---|---|---|---|---|")
     for d, model in models.items():
         model.batch_invariant = True
-        ops, kernels, total = step_profile(model, seq(d, 1), caches[d])
+        ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d])
         print(f"| {d} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | {model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 

@@ -60,6 +60,12 @@ class KVCache:
             store[layer].index_copy_(0, slots, torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8))
             scales[layer].index_copy_(0, slots, scale)
 
+    def clear(self, slots: torch.Tensor) -> None:
+        """Zero K/V of every layer at `slots` [P] (padding keys attention reads masked: they must be finite)."""
+        if len(slots):
+            for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
+                t.index_fill_(1, slots, 0)
+
     def gather(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [S, KVH, D] of `slots` [S], in the compute dtype; a slice of consecutive slots reads views (no copy)."""
         if isinstance(slots, slice):

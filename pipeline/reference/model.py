@@ -14,10 +14,12 @@ weights are dequantized at load (no faster CPU kernel that keeps them, see docs/
 
 `batch_invariant=True` makes every token's result independent of what else is in the batch
 (bit-for-bit): every linear whose kernel is not batch-invariant by construction runs row by row
-(CPU fp32 GEMM kernels round differently for different row counts) and every token attends
-through its own SDPA call over exactly its visible keys, the same shapes plain one-token decoding
-uses. Exactness tests (speculative == plain) use it; with the int8 kernels it costs little, since
-their linears take all rows in one call.
+(CPU fp32 GEMM kernels round differently for different row counts), and attention runs every
+token as its own batch element of its sequence's SDPA call, over keys padded with masked keys to a
+multiple of KEY_ALIGN (see there). Serving and the exactness tests (speculative == plain) use it;
+with the int8 kernels it costs little, since their linears take all rows in one call. Off, a
+sequence's new tokens attend as the query rows of one masked SDPA call (cheaper for long contexts,
+but a verify then rounds differently from plain decoding).
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
 DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Batch-invariant attention runs every query row as its own SDPA batch element over its keys padded (masked)
+# to a multiple of KEY_ALIGN: torch's CPU SDPA then gives a row the same bits for any such key count, so alone,
+# in a verify or beside other sequences alike. Unaligned key counts (vector tails), and 2 or more query rows per
+# batch element, round differently; so does a batch of rows on two threads (exact mode runs on decode_threads = 1).
+# Measured: docs/engine.md, "Batch invariance"; tests/test_model.py.
+KEY_ALIGN = 16
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> dict:
@@ -247,6 +255,7 @@ class LlamaModel(torch.nn.Module):
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
         plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
+        kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
         with _intra_op_threads(self.decode_threads if small else None):
@@ -292,17 +301,19 @@ class LlamaModel(torch.nn.Module):
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
         out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
-        for start, end, key_slots, mask in plan.groups:  # B sequences of n rows each
-            if isinstance(key_slots, slice):  # one sequence over consecutive slots: views, no gather
-                B, S = 1, key_slots.stop - key_slots.start
+        for start, end, batch, keys, mask in plan.groups:  # rows start..end-1 as `batch` SDPA batch elements
+            if isinstance(keys, slice):  # one sequence over consecutive slots: views, no gather
+                G, S = 1, keys.stop - keys.start
             else:
-                B, S = key_slots.shape
-                key_slots = key_slots.flatten()
-            k, v = kv.gather(layer, key_slots)  # [B * S, KVH, D] each
-            k = k.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [B, KVH, S, D]
-            v = v.view(B, S, self.num_kv_heads, self.head_size).transpose(1, 2)
-            qb = q[start:end].view(B, -1, self.num_heads, self.head_size).transpose(1, 2)  # [B, H, n, D]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, H, n, D]
+                G, S = keys.shape
+                keys = keys.flatten()
+            k, v = kv.gather(layer, keys)  # [G * S, KVH, D] each
+            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [G, KVH, S, D]
+            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)
+            if G != batch:  # one sequence's keys for every row: a stride-0 batch view
+                k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
+            qb = q[start:end].view(batch, -1, self.num_heads, self.head_size).transpose(1, 2)  # [batch, H, rows / batch, D]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
         return out
 
@@ -323,15 +334,19 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    # (row start, row end, key slots [B, S] or a slice of consecutive slots (B = 1), mask [B, 1, n, S] or [n, S]
-    # or None): B sequences of n rows each
-    groups: list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]
+    # (row start, row end, batch, keys, mask): one SDPA call for rows start..end-1 of the flat batch, as `batch`
+    # batch elements of (end - start) / batch query rows each. keys: a slice of S consecutive cache slots, or
+    # slots [G, S] (G = 1 or batch); mask [batch, 1, rows / batch, S] or [rows, S] (True = attend), None: all visible
+    groups: list[tuple[int, int, int, torch.Tensor | slice, torch.Tensor | None]]
+    pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
-        token_ids, positions, slots, groups, logits_rows = [], [], [], [], []
-        decodes: list[tuple[int, torch.Tensor]] = []  # consecutive one-token sequences: one batched SDPA
+        """The plan of a forward; batch_invariant: every row its own batch element over aligned keys (KEY_ALIGN)."""
+        align = KEY_ALIGN if batch_invariant else 1
+        token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
+        decodes: list[tuple[int, torch.Tensor, int]] = []  # consecutive one-token sequences (row, slots, keys): one call
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -340,7 +355,7 @@ class _AttentionPlan:
             blocks = torch.tensor(seq.block_table, dtype=torch.long)
             if len(seq.block_table) * block_size < c + n:
                 raise ValueError(f"block table holds {len(seq.block_table) * block_size} tokens, the sequence needs {c + n}")
-            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:c + n]  # [c + n]
+            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # [capacity]
             if seq.parents is None:
                 depth = list(range(1, n + 1))
                 ancestors = None
@@ -353,53 +368,70 @@ class _AttentionPlan:
                     ancestors.append(([] if p < 0 else ancestors[p]) + [i])
             token_ids += seq.token_ids
             positions += [c + d - 1 for d in depth]
-            slots.append(all_slots[c:])
-            if batch_invariant:
-                for i in range(n):  # one group per token: exactly the keys it sees, as in plain decoding
-                    visible = range(i + 1) if ancestors is None else ancestors[i]
-                    key_slots = torch.cat([all_slots[:c], all_slots[[c + a for a in visible]]])
-                    groups.append((row + i, row + i + 1, _slots_or_range(key_slots), None))
-            elif n == 1:
-                decodes.append((row, all_slots))
+            slots.append(all_slots[c:c + n])
+            if n == 1:
+                decodes.append((row, all_slots, c + 1))
             else:
-                groups += _decode_group(decodes)
+                groups += _decode_group(decodes, block_size, align, pad_slots)
                 decodes = []
+                visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
                 if ancestors is not None:
-                    mask = torch.zeros(n, c + n, dtype=torch.bool)  # [n, S] True = attend
-                    mask[:, :c] = True
+                    visible[:, c:] = False
                     for i, anc in enumerate(ancestors):
-                        mask[i, [c + a for a in anc]] = True
-                else:
-                    mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
-                groups.append((row, row + n, _slots_or_range(all_slots), mask))
+                        visible[i, [c + a for a in anc]] = True
+                keys, S = _slots_or_range(all_slots, c + n, block_size, align, pad_slots)
+                mask = F.pad(visible, (0, S - c - n), value=False)  # [n, S]
+                # batch-invariant: each row its own batch element [n, 1, 1, S]; else n query rows of one [n, S]
+                groups.append((row, row + n, n, keys, mask[:, None, None, :]) if batch_invariant
+                              else (row, row + n, 1, keys, mask))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
-        groups += _decode_group(decodes)
+        groups += _decode_group(decodes, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
-        return cls(token_ids, positions, torch.cat(slots), groups, logits_index)
+        pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
+        return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
 
 
-def _decode_group(decodes: list[tuple[int, torch.Tensor]]) -> list[tuple]:
-    """One attention group for consecutive one-token rows: keys padded to the longest context and masked."""
+def _aligned(length: int, align: int) -> int:
+    """The key count of an attention call over `length` keys: the next multiple of `align`."""
+    return -(-length // align) * align
+
+
+def _decode_group(decodes: list[tuple[int, torch.Tensor, int]], block_size: int, align: int,
+                  pad_slots: list[torch.Tensor]) -> list[tuple]:
+    """One attention group for consecutive one-token rows (row, the sequence's slots, its key count): one batch
+    element per row, keys padded and masked."""
     if not decodes:
         return []
+    lengths = torch.tensor([length for _, _, length in decodes])
     if len(decodes) == 1:
-        row, key_slots = decodes[0]
-        return [(row, row + 1, _slots_or_range(key_slots), None)]
-    longest = max(len(k) for _, k in decodes)
-    key_slots = torch.stack([F.pad(k, (0, longest - len(k)), value=int(k[0])) for _, k in decodes])  # [B, S]
-    lengths = torch.tensor([len(k) for _, k in decodes])
-    mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    return [(decodes[0][0], decodes[-1][0] + 1, key_slots, mask)]
+        row, all_slots, length = decodes[0]
+        keys, S = _slots_or_range(all_slots, length, block_size, align, pad_slots)
+    else:
+        S = _aligned(int(lengths.max()), align)
+        # padding keys repeat each row's first slot (masked: any finite value gives the same bits)
+        keys = torch.stack([F.pad(k[:n], (0, S - n), value=int(k[0])) for _, k, n in decodes])  # [B, S]
+    mask = None if S == int(lengths.min()) else (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    return [(decodes[0][0], decodes[-1][0] + 1, len(decodes), keys, mask)]
 
 
-def _slots_or_range(slots: torch.Tensor) -> torch.Tensor | slice:
-    """One sequence's key slots [S]: a slice when they are consecutive (a view of the cache, no gather), else [1, S]."""
+def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int, align: int,
+                    pad_slots: list[torch.Tensor]) -> tuple[torch.Tensor | slice, int]:
+    """One sequence's first `length` key slots of all_slots [capacity], padded to S = _aligned(length, align).
+
+    Returns (keys, S): a slice when the slots are consecutive (a view of the cache, no gather), its padding
+    slots, which follow the sequence's last token in its own last block, added to pad_slots (the forward
+    zeroes them: never-written cache memory may hold NaN); else slots [1, S] padded with the first slot.
+    """
+    slots, S = all_slots[:length], _aligned(length, align)
     first = int(slots[0])
-    if int(slots[-1]) - first == len(slots) - 1 and (len(slots) < 3 or bool((slots.diff() == 1).all())):
-        return slice(first, first + len(slots))
-    return slots[None]
+    consecutive = int(slots[-1]) - first == length - 1 and (length < 3 or bool((slots.diff() == 1).all()))
+    if consecutive and block_size % align == 0:
+        if S > length:
+            pad_slots.append(all_slots[length:S])
+        return slice(first, first + S), S
+    return F.pad(slots, (0, S - length), value=first)[None], S
 
 
 @contextmanager

@@ -62,8 +62,9 @@ EXTENSIONS: dict[str, Interface] = {
         outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS | {"accumulate_tokens", "tensorrt_llm_model_name",
                                                                   "tensorrt_llm_draft_model_name"}),
     "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS),
-    # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses eagle_choices).
-    "tensorrt_llm": Interface(inputs=(), outputs=(), parameter_keys=frozenset({"eagle_dynamic_tree_top_k"})),
+    # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses
+    # eagle_choices), and batch_invariant (default true: exact greedy speculation, see load_serving_engine).
+    "tensorrt_llm": Interface(inputs=(), outputs=(), parameter_keys=frozenset({"eagle_dynamic_tree_top_k", "batch_invariant"})),
 }
 
 

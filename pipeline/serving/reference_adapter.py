@@ -194,15 +194,21 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
 
     parameters: the model's config.pbtxt parameters. A Medusa / EAGLE engine speculates inside itself on
     the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
-    `eagle_dynamic_tree_top_k` when that is set.
+    `eagle_dynamic_tree_top_k` when that is set. `batch_invariant` ("true" unless set to "false"): every
+    token's result is independent of the batch, so greedy speculative output equals plain greedy output
+    and a request's answer does not depend on the others in flight (docs/engine.md, "Batch invariance":
+    what it costs per engine format).
     """
     parameters = parameters or {}
+    exact = parameters.get("batch_invariant", "true").strip().lower()
+    if exact not in ("true", "false"):
+        raise ValueError(f"parameter batch_invariant {parameters['batch_invariant']!r}: write true or false")
     max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
     top_k = parameters.get("eagle_dynamic_tree_top_k")
     return MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1,
                                          choices=parse_choices(tree) if tree and not top_k else None,
-                                         dynamic_top_k=int(top_k) if top_k else None)
+                                         dynamic_top_k=int(top_k) if top_k else None, batch_invariant=exact == "true")
 
 
 class ResponseBuilder:
