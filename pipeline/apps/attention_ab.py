@@ -1,6 +1,6 @@
 """A/B of the reference model's attention: this tree's model.py against a git revision's, in one process.
 
-    .venv/bin/python build/specbuild/attention_ab.py out/default/engines/target [--rev 51d9882] [--reps 11] [--context 128]
+    .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target [--rev 51d9882] [--reps 11] [--context 128]
 
 Loads the engine twice, once through this tree's pipeline/reference/model.py and once through the
 revision's (`git show REV:pipeline/reference/model.py`, the rest of the package from this tree), and
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.reference import model as current
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from pipeline.reference import model as current  # noqa: E402
 
 
 def revision_module(rev: str):
