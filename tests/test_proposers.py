@@ -98,7 +98,7 @@ def test_policy_switches_a_request_off_when_acceptance_stays_low():
 
 
 def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar():
-    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_cost=0.4)
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_costs=((1, 0.4),))
     policy = PolicyProposer(FixedProposer(), config)
     ask(policy, n=2)
     for _ in range(3):
@@ -190,3 +190,36 @@ def test_medusa_tree_deeper_than_its_heads_is_refused():
     with pytest.raises(ValueError, match="only 1 heads"):
         MedusaProposer([object()], [[0], [0, 0]])
 
+
+
+def test_policy_break_even_follows_the_running_batch_size():
+    config = PolicyConfig(draft_token_costs=((8, 0.6), (1, 0.2)))  # measured points, in any order
+    assert [round(config.break_even(b), 3) for b in (1, 2, 8, 16)] == [0.2, round(0.2 + 0.4 / 7, 3), 0.6, 0.6]
+    assert PolicyConfig().break_even(8) == 0.0  # unmeasured: free
+    assert PolicyConfig(min_acceptance_rate=0.1, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.3
+    assert PolicyConfig(min_acceptance_rate=0.0, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.0  # off
+
+
+def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
+    """With 8 in flight the costlier batch bar applies, and one step of the batch (8 x 4 draft tokens) is
+    enough evidence: after their second step (the first decides only for the last request verified) the
+    requests below it stop, long before their own window of 8 steps; a request that pays so far keeps going."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.2), (8, 0.5)))
+    policy = PolicyProposer(FixedProposer(), config)
+    for _ in range(2):
+        assert ask(policy, n=8)[0] == 4
+        for i in range(8):
+            policy.update(f"r{i}", 3 if i == 0 else 1, 4)  # r0 75 %, the others 25 %: pooled 31 % < 50 %
+    assert ask(policy, n=8) == [4] + [0] * 7
+    alone = PolicyProposer(FixedProposer(), config)  # the same acceptance at batch 1 (bar 20 %) pays
+    for i in range(8):
+        ask(alone, n=1)
+        alone.update("r0", 1, 4)
+    assert ask(alone, n=1) == [4]
+
+
+def test_policy_batch_gate_from_the_measured_cost():
+    """A batch size at which one draft token costs a whole step (break-even >= 1) never speculates."""
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.3), (8, 1.2))))
+    assert ask(policy, n=8) == [0] * 8
+    assert ask(policy, n=1) == [4]

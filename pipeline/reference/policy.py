@@ -4,13 +4,20 @@ Speculation only pays when enough draft tokens are accepted and the target has s
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
 - per-request switch-off: once a request has `window` speculative steps behind it and its
-  acceptance so far (all its steps) is below `min_acceptance_rate`, or below `draft_token_cost`
-  (what a draft token costs a step, as a fraction of a plain step: the break-even acceptance,
-  measured by pipeline.reference.step_cost), it decodes plainly to the end (a sliding window
-  switched decent drafts off after a chance run of rejections);
+  acceptance so far (all its steps) is below the switch-off bar, it decodes plainly to the end (a
+  sliding window switched decent drafts off after a chance run of rejections). The bar is the larger
+  of `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
+  batch size: what one draft token (its verify row and its share of the draft forwards) costs a
+  step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by pipeline.reference.step_cost: about 0.2-0.3
+  at batch 1 and more with 8 in flight on these CPUs, 0 on a GPU);
+- pooled evidence: before a request has its own `window` steps, a request below the bar so far
+  also stops when the requests running with it, together, proposed `window * num_draft_tokens`
+  draft tokens and stay below the bar. With 8 in flight a useless draft then stops after one or two
+  steps instead of `window`, while a request that pays so far keeps going (at batch 1 this is the
+  request's own rule);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
-  than `max_batch_for_speculation` requests run, nobody speculates this step (the target is
-  compute bound and verification rows are no longer free);
+  than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
+  running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step;
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0, so a proposer
@@ -33,19 +40,37 @@ class PolicyConfig:
     adaptive: bool = False  # adapt K per request from its acceptance
     min_acceptance_rate: float = 0.1  # below this (after `window` steps) a request stops speculating
     window: int = 8  # speculative steps before the switch-off may decide
-    # break-even acceptance: the cost of one draft token (its verify row and draft forward) in plain steps;
-    # 0 = free (a GPU); step_cost.draft_token_cost measures it. The switch-off uses the larger of the two.
-    draft_token_cost: float = 0.0
+    # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
+    # batch), ...), ascending batch, measured by step_cost.draft_token_cost; linear between points, the nearest
+    # point beyond them; () = free (a GPU). The switch-off uses the larger of this and min_acceptance_rate.
+    draft_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
 
     @classmethod
-    def from_spec(cls, speculative, adaptive: bool = False) -> "PolicyConfig":
-        """Take K, the limits and the thresholds from a `pipeline.spec.SpeculativeSpec`."""
+    def from_spec(cls, speculative, adaptive: bool = False,
+                  draft_token_costs: tuple[tuple[int, float], ...] = ()) -> "PolicyConfig":
+        """Take K, the limits and the thresholds from a `pipeline.spec.SpeculativeSpec` (and measured costs)."""
         return cls(num_draft_tokens=speculative.num_draft_tokens, max_draft_tokens=speculative.max_draft_len,
                    adaptive=adaptive, min_acceptance_rate=speculative.min_acceptance_rate,
+                   draft_token_costs=draft_token_costs,
                    max_batch_for_speculation=speculative.max_batch_for_speculation,
                    min_new_tokens_for_speculation=speculative.min_new_tokens_for_speculation)
+
+    def break_even(self, batch_size: int) -> float:
+        """The acceptance a draft token must reach to pay at this running batch size (0 when unmeasured)."""
+        points = sorted(self.draft_token_costs)
+        if not points:
+            return 0.0
+        for (b0, c0), (b1, c1) in zip(points, points[1:]):
+            if batch_size <= b1:
+                return c0 if batch_size <= b0 else c0 + (c1 - c0) * (batch_size - b0) / (b1 - b0)
+        return points[-1][1]
+
+    def switch_off_below(self, batch_size: int) -> float:
+        """The switch-off bar at this batch size: min_acceptance_rate, or the break-even when that is higher
+        (min_acceptance_rate 0: none, the switch-off is off)."""
+        return max(self.min_acceptance_rate, self.break_even(batch_size)) if self.min_acceptance_rate > 0 else 0.0
 
 
 @dataclass
@@ -66,13 +91,14 @@ class PolicyProposer:
         self.inner, self.config = inner, config
         self.needs_hidden_states = inner.needs_hidden_states
         self.capture_layers = getattr(inner, "capture_layers", None)
-        self.requests: dict[str, _RequestPolicy] = {}
+        self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
+        self.batch_size = 1  # requests in the last propose call: the batch whose costs decide
 
     def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
         """K for this request this step (0 = decode plainly)."""
         cfg = self.config
         state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
-        if not state.enabled or batch_size > cfg.max_batch_for_speculation:
+        if not state.enabled or batch_size > cfg.max_batch_for_speculation or cfg.break_even(batch_size) >= 1:
             return 0
         k = min(state.draft_len, inp.num_tokens)
         if inp.max_new_tokens is not None:
@@ -83,6 +109,7 @@ class PolicyProposer:
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
+        self.batch_size = len(inputs)
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(inputs))) for inp in inputs]
         drafts = self.inner.propose(limited)
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
@@ -100,8 +127,15 @@ class PolicyProposer:
         state.steps += 1
         state.accepted += num_accepted
         state.proposed += num_proposed
-        threshold = max(cfg.min_acceptance_rate, cfg.draft_token_cost)
-        if state.steps >= cfg.window and state.accepted < threshold * state.proposed:
+        bar = cfg.switch_off_below(self.batch_size)
+        if state.accepted >= bar * state.proposed:
+            return  # the request pays so far
+        if state.steps >= cfg.window:  # the request's own evidence
+            state.enabled = False
+            return
+        # too few steps of its own: the running requests' pooled evidence decides, once there is enough of it
+        proposed = sum(r.proposed for r in self.requests.values())
+        if proposed >= cfg.window * cfg.num_draft_tokens and sum(r.accepted for r in self.requests.values()) < bar * proposed:
             state.enabled = False
 
     def release(self, request_id: str) -> None:
