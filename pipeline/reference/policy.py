@@ -3,18 +3,25 @@
 Speculation only pays when enough draft tokens are accepted and the target has spare compute:
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
-- per-request switch-off: once a request has `window` speculative steps behind it and its
-  acceptance so far (all its steps) is below the switch-off bar, it decodes plainly to the end (a
-  sliding window switched decent drafts off after a chance run of rejections). The bar is the larger
-  of `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
+- switch-off: a request decodes plainly while the evidence says its draft tokens do not pay,
+  that is, while its acceptance so far is below the switch-off bar (a sliding window switched
+  decent drafts off after a chance run of rejections). The bar is the larger of
+  `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
   batch size: what one draft token (its verify row and its share of the draft forwards) costs a
-  step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by pipeline.reference.step_cost: about 0.2-0.3
-  at batch 1 and more with 8 in flight on these CPUs, 0 on a GPU);
-- pooled evidence: before a request has its own `window` steps, a request below the bar so far
-  also stops when the requests running with it, together, proposed `window * num_draft_tokens`
-  draft tokens and stay below the bar. With 8 in flight a useless draft then stops after one or two
-  steps instead of `window`, while a request that pays so far keeps going (at batch 1 this is the
-  request's own rule);
+  step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by
+  pipeline.reference.step_cost: about 0.2-0.3 at batch 1 and 0.45-0.7 with 8 in flight on these
+  CPUs, 0 on a GPU);
+- the running requests decide together: a step's draft forward and its verify forward are shared
+  by every request in it, and the break-even is measured with all of them speculating. So a
+  request speculates while the running requests' pooled acceptance clears the bar, or while its
+  own does, once it has `window` speculative steps of its own; nothing is decided before the pool
+  has `window * num_draft_tokens` draft tokens. With 8 in flight a useless draft stops after one
+  step instead of `window`, as one batch; a weaker request in a batch that pays keeps speculating
+  (switching it off alone measured 0.83-0.87x of keeping it: it then finishes long after the
+  others, at a smaller, less efficient batch). The decision is taken again every step, so a batch
+  switched off with 8 in flight speculates again when it shrinks and the bar drops. At batch 1
+  the pool is the request itself: a request whose acceptance stays below the bar after `window`
+  steps decodes plainly to the end;
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step;
@@ -78,7 +85,6 @@ class _RequestPolicy:
     """What the policy remembers about one request."""
 
     draft_len: int
-    enabled: bool = True
     steps: int = 0  # speculative steps so far
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
@@ -92,13 +98,12 @@ class PolicyProposer:
         self.needs_hidden_states = inner.needs_hidden_states
         self.capture_layers = getattr(inner, "capture_layers", None)
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
-        self.batch_size = 1  # requests in the last propose call: the batch whose costs decide
 
     def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
         """K for this request this step (0 = decode plainly)."""
         cfg = self.config
         state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
-        if not state.enabled or batch_size > cfg.max_batch_for_speculation or cfg.break_even(batch_size) >= 1:
+        if batch_size > cfg.max_batch_for_speculation or not self.pays(state, batch_size):
             return 0
         k = min(state.draft_len, inp.num_tokens)
         if inp.max_new_tokens is not None:
@@ -107,15 +112,26 @@ class PolicyProposer:
             k = min(k, inp.max_new_tokens - inp.num_generated - 1)  # the verify step adds one more token itself
         return max(k, 0)
 
+    def pays(self, state: _RequestPolicy, batch_size: int) -> bool:
+        """Whether the evidence so far clears the switch-off bar at this batch size (see the module docstring)."""
+        cfg = self.config
+        bar = cfg.switch_off_below(batch_size)
+        if bar >= 1:
+            return False  # a draft token costs a whole step: no acceptance pays
+        # the running requests together (a step's draft forward and verify forward are shared), once they have evidence
+        proposed = sum(r.proposed for r in self.requests.values())
+        if proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed:
+            return True
+        return state.steps >= cfg.window and state.accepted >= bar * state.proposed  # or the request's own
+
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
-        self.batch_size = len(inputs)
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(inputs))) for inp in inputs]
         drafts = self.inner.propose(limited)
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
-        """Adapt K and decide the switch-off from one verification."""
+        """Adapt K and count the evidence of one verification."""
         self.inner.update(request_id, num_accepted, num_proposed)
         state = self.requests.get(request_id)
         if state is None or num_proposed == 0:
@@ -127,16 +143,6 @@ class PolicyProposer:
         state.steps += 1
         state.accepted += num_accepted
         state.proposed += num_proposed
-        bar = cfg.switch_off_below(self.batch_size)
-        if state.accepted >= bar * state.proposed:
-            return  # the request pays so far
-        if state.steps >= cfg.window:  # the request's own evidence
-            state.enabled = False
-            return
-        # too few steps of its own: the running requests' pooled evidence decides, once there is enough of it
-        proposed = sum(r.proposed for r in self.requests.values())
-        if proposed >= cfg.window * cfg.num_draft_tokens and sum(r.accepted for r in self.requests.values()) < bar * proposed:
-            state.enabled = False
 
     def release(self, request_id: str) -> None:
         """Forget the request here and in the wrapped proposer."""
