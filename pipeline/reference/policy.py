@@ -3,25 +3,24 @@
 Speculation only pays when enough draft tokens are accepted and the target has spare compute:
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
-- switch-off: a request decodes plainly while the evidence says its draft tokens do not pay,
-  that is, while its acceptance so far is below the switch-off bar (a sliding window switched
-  decent drafts off after a chance run of rejections). The bar is the larger of
+- switch-off: requests decode plainly while the evidence says their draft tokens do not pay:
+  their acceptance so far (all their steps: a sliding window switched decent drafts off after a
+  chance run of rejections) is below the switch-off bar. The bar is the larger of
   `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
   batch size: what one draft token (its verify row and its share of the draft forwards) costs a
   step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by
   pipeline.reference.step_cost: about 0.2-0.3 at batch 1 and 0.45-0.7 with 8 in flight on these
   CPUs, 0 on a GPU);
-- the running requests decide together: a step's draft forward and its verify forward are shared
-  by every request in it, and the break-even is measured with all of them speculating. So a
-  request speculates while the running requests' pooled acceptance clears the bar, or while its
-  own does, once it has `window` speculative steps of its own; nothing is decided before the pool
-  has `window * num_draft_tokens` draft tokens. With 8 in flight a useless draft stops after one
-  step instead of `window`, as one batch; a weaker request in a batch that pays keeps speculating
-  (switching it off alone measured 0.83-0.87x of keeping it: it then finishes long after the
-  others, at a smaller, less efficient batch). The decision is taken again every step, so a batch
-  switched off with 8 in flight speculates again when it shrinks and the bar drops. At batch 1
-  the pool is the request itself: a request whose acceptance stays below the bar after `window`
-  steps decodes plainly to the end;
+- the running requests decide as one: a step's draft forward and verify forward are shared by
+  every request in it, and the break-even is measured with all of them speculating, so the
+  evidence is the running requests' pooled acceptance, and nothing is decided before they have
+  `window * num_draft_tokens` draft tokens between them (at batch 1: the request's own, after about
+  `window` steps). With 8 in flight a useless draft stops after one step instead of `window`.
+  Deciding per request measured worse with 8 in flight (0.75-0.93x where the pooled decision gave
+  0.92-1.01x, docs/benchmarks.md): requests left speculating alone pay for draft forwards nobody
+  shares, and finish long before the others, who then run on at a smaller, less efficient batch.
+  The decision is taken every step, so a batch switched off with 8 in flight speculates again once
+  it shrinks and the bar drops (at a fixed batch size it stays off: no new evidence arrives);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step;
@@ -103,7 +102,7 @@ class PolicyProposer:
         """K for this request this step (0 = decode plainly)."""
         cfg = self.config
         state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
-        if batch_size > cfg.max_batch_for_speculation or not self.pays(state, batch_size):
+        if batch_size > cfg.max_batch_for_speculation or not self.pays(batch_size):
             return 0
         k = min(state.draft_len, inp.num_tokens)
         if inp.max_new_tokens is not None:
@@ -112,17 +111,15 @@ class PolicyProposer:
             k = min(k, inp.max_new_tokens - inp.num_generated - 1)  # the verify step adds one more token itself
         return max(k, 0)
 
-    def pays(self, state: _RequestPolicy, batch_size: int) -> bool:
-        """Whether the evidence so far clears the switch-off bar at this batch size (see the module docstring)."""
+    def pays(self, batch_size: int) -> bool:
+        """Whether the running requests' evidence so far clears the switch-off bar at this batch size."""
         cfg = self.config
         bar = cfg.switch_off_below(batch_size)
         if bar >= 1:
             return False  # a draft token costs a whole step: no acceptance pays
-        # the running requests together (a step's draft forward and verify forward are shared), once they have evidence
+        # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence
         proposed = sum(r.proposed for r in self.requests.values())
-        if proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed:
-            return True
-        return state.steps >= cfg.window and state.accepted >= bar * state.proposed  # or the request's own
+        return proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
