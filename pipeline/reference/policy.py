@@ -44,10 +44,10 @@ class PolicyConfig:
     num_draft_tokens: int = 4  # K a request starts with
     max_draft_tokens: int = 8  # K never exceeds this (the engine's max_draft_len)
     adaptive: bool = False  # adapt K per request from its acceptance
-    min_acceptance_rate: float = 0.1  # below this (after `window` steps) a request stops speculating
-    window: int = 8  # speculative steps before the switch-off may decide
+    min_acceptance_rate: float = 0.1  # pooled acceptance below this stops speculation (0: never)
+    window: int = 8  # the switch-off decides once the running requests proposed window * num_draft_tokens
     # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
-    # batch), ...), ascending batch, measured by step_cost.draft_token_cost; linear between points, the nearest
+    # batch), ...), in any order, measured by step_cost.draft_token_cost; linear between points, the nearest
     # point beyond them; () = free (a GPU). The switch-off uses the larger of this and min_acceptance_rate.
     draft_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
@@ -84,7 +84,6 @@ class _RequestPolicy:
     """What the policy remembers about one request."""
 
     draft_len: int
-    steps: int = 0  # speculative steps so far
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
 
@@ -137,7 +136,6 @@ class PolicyProposer:
         if cfg.adaptive:
             grown = state.draft_len + 2 if num_accepted == num_proposed else state.draft_len - 1
             state.draft_len = max(1, min(grown, cfg.max_draft_tokens))
-        state.steps += 1
         state.accepted += num_accepted
         state.proposed += num_proposed
 
