@@ -105,7 +105,9 @@ class SpeculativeSpec:
     # Policy (reference toolchain and BLS): speculation pays only in some regimes.
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
     max_batch_for_speculation: int = 32  # above this running batch size, speculation is off
-    min_acceptance_rate: float = 0.1  # a request whose acceptance stays below this stops speculating
+    # a request whose acceptance stays below this, or below the break-even measured on the engines when that is
+    # higher (reference toolchain: the tensorrt_llm_bls parameter draft_token_cost), stops speculating; 0: never
+    min_acceptance_rate: float = 0.1
 
 
 @dataclass(frozen=True)

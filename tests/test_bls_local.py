@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving.bls import SpeculativeDecoder
+from pipeline.serving.bls import ROUNDS_BEFORE_ACCEPTANCE_CHECK, SpeculativeDecoder
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings, parse_text_request
 from pipeline.serving.text import load_tokenizer
@@ -153,21 +153,22 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
         settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode,
                                max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
                                max_batch_for_speculation=gate)
-        sink = Rounds()
-        decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink)
+        sink, counts = Rounds(), []
+        decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink, on_in_flight=counts.append)
         inputs = {"text_input": np.array([[text.encode()]], dtype=object),
                   "max_tokens": np.array([[24]], dtype=np.int32), "num_draft_tokens": np.array([[3]], dtype=np.int32)}
         req = parse_text_request(inputs, settings, tokenizer)
 
         async def one():
-            chunks = [c async for c in decoder.generate(req, lambda: False)]
+            with decoder.admit():
+                chunks = [c async for c in decoder.generate(req, lambda: False)]
             return [t for c in chunks for t in c.token_ids], chunks[-1].stats.rounds
 
         async def all_of_them():
             return await asyncio.gather(*(one() for _ in range(n)))
 
         outs = asyncio.run(all_of_them())
-        assert decoder.in_flight == 0
+        assert decoder.in_flight == 0 and counts[-1] == 0 and max(counts) == n  # the gauge saw every request
         return [tokens for tokens, _ in outs], sum(rounds for _, rounds in outs)  # speculative rounds of all requests
 
     plain, _ = run(local_decoder(runners, mode)[1], tokenizer, local_decoder(runners, mode)[0], text, 24, 0)
@@ -178,3 +179,29 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
     ungated, rounds = concurrently(3, 3)
     assert ungated == [plain] * 3 and rounds >= 18
     assert gated_rounds <= 1  # only the first request's first round, asked before the others arrived
+
+
+def test_measured_draft_token_cost_switches_off_a_draft_below_break_even_and_keeps_one_above(engines):
+    """draft_token_cost (the break-even acceptance measured at assembly) raises the switch-off bar above
+    min_acceptance_rate: the same draft stops speculating after ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds when its
+    acceptance is below the cost, and speculates to the end when it is above; the text is plain's either way."""
+    runners, tokenizer = engines
+    text = "the the the cat sat on the mat and the cat sat on the"
+
+    def decode(cost, k=3):
+        settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode="draft_target",
+                               max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
+                               min_acceptance_rate=0.05, draft_token_cost=cost)
+        sink = Rounds()
+        tokens, stats = run(SpeculativeDecoder(settings, LocalModelClient(runners), sink), tokenizer, settings, text, 40, k)
+        return tokens, stats, sink.rounds
+
+    plain, _, _ = decode(0.0, k=0)
+    free, free_stats, rounds = decode(0.0)
+    running = [sum(a for _, a in rounds[:n]) / sum(p for p, _ in rounds[:n]) for n in range(1, len(rounds) + 1)]
+    checked = running[ROUNDS_BEFORE_ACCEPTANCE_CHECK - 1:]  # the acceptance each switch-off check saw
+    assert free == plain and len(checked) >= 2 and 0 < min(checked) and max(checked) < 1
+    below, below_stats, _ = decode(max(checked) + 0.05)  # costs more than the draft ever earns: off at the first check
+    assert below == plain and below_stats.rounds == ROUNDS_BEFORE_ACCEPTANCE_CHECK < free_stats.rounds
+    above, above_stats, _ = decode(min(checked) - 0.05)  # earns more than it costs at every check: kept
+    assert above == plain and above_stats.rounds == free_stats.rounds

@@ -89,22 +89,33 @@ def test_policy_adapts_draft_length_like_transformers_heuristic():
 
 
 def test_policy_switches_a_request_off_when_acceptance_stays_low():
-    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3)
+    for accepted, k in ((0, 0), (3, 4)):  # alone: nothing accepted stops, 75 % keeps going
+        policy = PolicyProposer(FixedProposer(), config)
+        for _ in range(3):
+            ask(policy)
+            policy.update("r0", accepted, 4)
+        assert ask(policy) == [k]
+    policy = PolicyProposer(FixedProposer(), config)  # together: the pool (37.5 %) pays, both go on
     ask(policy, n=2)
     for _ in range(3):
-        policy.update("r0", 0, 4)  # r0: nothing accepted
-        policy.update("r1", 3, 4)  # r1: 75 %
-    assert ask(policy, n=2) == [0, 4]
+        policy.update("r0", 0, 4)
+        policy.update("r1", 3, 4)
+    assert ask(policy, n=2) == [4, 4]
+    for _ in range(3):
+        policy.update("r0", 0, 4)  # r1's luck runs out: 9 of 48 together (19 %) stops both
+        policy.update("r1", 0, 4)
+    assert ask(policy, n=2) == [0, 0]
 
 
 def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar():
-    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_cost=0.4)
-    policy = PolicyProposer(FixedProposer(), config)
-    ask(policy, n=2)
-    for _ in range(3):
-        policy.update("r0", 1, 4)  # r0: 25 %, above 10 % but below the 40 % a draft token costs
-        policy.update("r1", 2, 4)  # r1: 50 %, pays
-    assert ask(policy, n=2) == [0, 4]
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_costs=((1, 0.4),))
+    for accepted, k in ((1, 0), (2, 4)):  # 25 %: above 10 % but below the 40 % a draft token costs; 50 %: pays
+        policy = PolicyProposer(FixedProposer(), config)
+        for _ in range(3):
+            ask(policy)
+            policy.update("r0", accepted, 4)
+        assert ask(policy) == [k]
     free = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3))
     ask(free)
     for _ in range(3):
@@ -190,3 +201,39 @@ def test_medusa_tree_deeper_than_its_heads_is_refused():
     with pytest.raises(ValueError, match="only 1 heads"):
         MedusaProposer([object()], [[0], [0, 0]])
 
+
+
+def test_policy_break_even_follows_the_running_batch_size():
+    config = PolicyConfig(draft_token_costs=((8, 0.6), (1, 0.2)))  # measured points, in any order
+    assert [round(config.break_even(b), 3) for b in (1, 2, 8, 16)] == [0.2, round(0.2 + 0.4 / 7, 3), 0.6, 0.6]
+    assert PolicyConfig().break_even(8) == 0.0  # unmeasured: free
+    assert PolicyConfig(min_acceptance_rate=0.1, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.3
+    assert PolicyConfig(min_acceptance_rate=0.0, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.0  # off
+
+
+def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
+    """With 8 in flight the costlier batch bar applies, and one step of the batch (8 x 4 draft tokens) is
+    enough evidence: the requests stop together after it, long before their own window of 8 steps, the
+    lucky ones included. When the batch shrinks to the two requests that did well, they speculate again;
+    the same acceptance at batch 1 (bar 20 %) keeps speculating."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.2), (8, 0.5)))
+    policy = PolicyProposer(FixedProposer(), config)
+    assert ask(policy, n=8) == [4] * 8
+    for i, accepted in enumerate([4, 2, 1, 1, 1, 0, 0, 0]):  # pooled 28 % < 50 %
+        policy.update(f"r{i}", accepted, 4)
+    assert ask(policy, n=8) == [0] * 8
+    for i in range(2, 8):
+        policy.release(f"r{i}")  # r0 (100 %) and r1 (50 %) run on alone: pooled 75 %, bar 24 % at batch 2
+    assert ask(policy, n=2) == [4, 4]
+    alone = PolicyProposer(FixedProposer(), config)
+    for i in range(8):
+        ask(alone, n=1)
+        alone.update("r0", 1, 4)  # 25 % at batch 1
+    assert ask(alone, n=1) == [4]
+
+
+def test_policy_batch_gate_from_the_measured_cost():
+    """A batch size at which one draft token costs a whole step (break-even >= 1) never speculates."""
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.3), (8, 1.2))))
+    assert ask(policy, n=8) == [0] * 8
+    assert ask(policy, n=1) == [4]

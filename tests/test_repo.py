@@ -237,3 +237,24 @@ def test_planned_limits_are_what_the_build_writes(tiny_spec_engines):
     built = EngineInfo.from_engine_dir(plan.spec.out_dir / "engines" / "target")
     assert EngineInfo.planned(plan, "target", built.path) == built
     assert built.max_draft_len == MAX_DRAFT_LEN and built.tokens_per_block == TOKENS_PER_BLOCK
+
+
+@pytest.mark.parametrize("toolchain, floor, measured", [("reference", 0.2, True), ("reference", 0.0, False),
+                                                         ("trtllm", 0.2, False)])
+def test_bls_gets_the_draft_token_cost_measured_on_the_built_engines(tiny_spec_engines, toolchain, floor, measured):
+    """The BLS's switch-off bar: the break-even measured on the reference engines at the spec's K goes into
+    tensorrt_llm_bls's config (and BlsSettings reads it); 0 when min_acceptance_rate 0 turns the switch-off
+    off, and for engines built on a GPU host (not timed here)."""
+    from pipeline.repo.assemble import measured_draft_token_cost
+    from pipeline.serving.params import BlsSettings
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=floor))
+    plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    cost = measured_draft_token_cost(plan, target, draft)
+    assert (cost > 0) is measured  # the tiny draft has a quarter of the target's layers: its tokens cost
+    bls = {m.name: m for m in repo_models(plan, target, draft, cost)}["tensorrt_llm_bls"]
+    settings = BlsSettings.from_parameters(bls.parameters)
+    assert settings.draft_token_cost == cost
+    assert settings.switch_off_below == (max(floor, cost) if floor else 0.0)

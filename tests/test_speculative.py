@@ -212,7 +212,8 @@ def test_cost_aware_switch_off_stops_a_draft_below_break_even_and_keeps_the_outp
 
     def policy(cost):
         return PolicyProposer(DraftModelProposer.from_hf(draft, max_seq_len=256),
-                              PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_cost=cost))
+                              PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3,
+                                           draft_token_costs=((1, cost),)))
     tokens, costly = run(target, policy(0.9))
     assert tokens == plain
     assert 0 < costly.spec_steps <= 3 * 8  # every request stopped after its window

@@ -3,8 +3,8 @@
 One run measures, for every pair, at batch 1 and with 8 concurrent requests, 128 new tokens each:
 our plain decoding, our speculative decoding per K (policy wrapper on: switch-off below
 min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
-cost-aware switch-off (PolicyConfig.draft_token_cost, measured per K by
-pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
+cost-aware switch-off (PolicyConfig.draft_token_costs, measured per K at batch 1 and with 8 in
+flight by pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
 request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
 assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth
@@ -94,14 +94,14 @@ def local_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(text[i * 20_000:i * 20_000 + 400])["input_ids"] for i in range(n)]
 
 
-def make_pairs(names: list[str], n_prompts: int) -> list[Pair]:
-    """The requested pairs whose checkpoints exist (a missing one is reported and skipped)."""
+def make_pairs(names: list[str], n_prompts: int, trained: Path = TRAINED) -> list[Pair]:
+    """The requested pairs whose checkpoints exist (a missing one is reported and skipped); trained: the pair's folder."""
     from transformers import AutoTokenizer
 
     pairs = []
     for name in names:
         needs = {"smollm2-draft": [SMOLLM2, SMOLLM2_DRAFT], "smollm2-ngram": [SMOLLM2],
-                 "trained": [TRAINED / "target", TRAINED / "draft"], "trained-weak": [TRAINED / "target"]}[name]
+                 "trained": [trained / "target", trained / "draft"], "trained-weak": [trained / "target"]}[name]
         missing = [str(p) for p in needs if not (p / "config.json").is_file()]
         if missing:
             print(f"skipping {name}: {', '.join(missing)} missing (run `make models` / `make trained-pair`)")
@@ -112,9 +112,9 @@ def make_pairs(names: list[str], n_prompts: int) -> list[Pair]:
         elif name == "smollm2-ngram":
             pairs.append(Pair(name, SMOLLM2, None, grounded_prompts(tok, n_prompts)))
         elif name == "trained":
-            pairs.append(Pair(name, TRAINED / "target", TRAINED / "draft", local_prompts(tok, n_prompts)))
+            pairs.append(Pair(name, trained / "target", trained / "draft", local_prompts(tok, n_prompts)))
         else:
-            pairs.append(Pair(name, TRAINED / "target", TRAINED / "draft", local_prompts(tok, n_prompts), weak=True))
+            pairs.append(Pair(name, trained / "target", trained / "draft", local_prompts(tok, n_prompts), weak=True))
     return pairs
 
 
@@ -205,14 +205,14 @@ class UnsharedDrafts:
 
 
 def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None, shared: bool = True,
-                 draft_token_cost: float = 0.0) -> PolicyProposer:
+                 draft_token_costs: tuple[tuple[int, float], ...] = ()) -> PolicyProposer:
     """The pair's proposer at fixed K inside the policy wrapper (spec defaults: switch-off below 10 %).
 
     shared=False: a draft model runs one forward per request and draft position (UnsharedDrafts).
-    draft_token_cost > 0: the cost-aware switch-off (below that acceptance, when higher than 10 %).
+    draft_token_costs: the cost-aware switch-off ((batch, break-even) points, see PolicyConfig).
     """
     inner = NgramProposer(1, 3) if pair.draft is None else DraftModelProposer(draft_model, max_batch_size=BATCH, max_seq_len=1400)
-    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, draft_token_cost=draft_token_cost)
+    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, draft_token_costs=draft_token_costs)
     return PolicyProposer(inner if shared else UnsharedDrafts(inner), config)
 
 
@@ -248,7 +248,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         return tps, cpu_tps, stats.summary()
 
     trained = pair.draft is not None and pair.name.startswith("trained")
-    costs = {k: draft_token_cost(target, draft, k) for k in ks} if trained else {}  # break-even acceptance per K
+    # break-even acceptance per K: ((1, at batch 1), (BATCH, with BATCH in flight))
+    costs = {k: tuple((b, draft_token_cost(target, draft, k, batch=b)) for b in (1, BATCH)) for k in ks} if trained else {}
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))
@@ -256,7 +257,7 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
             jobs.append(("ngram" if pair.draft is None else "draft", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft)))
             if trained:
                 jobs.append(("draft cost-aware", batch, k, prompts,
-                             lambda k=k: proposer_for(pair, k, draft, draft_token_cost=costs[k])))
+                             lambda k=k: proposer_for(pair, k, draft, draft_token_costs=costs[k])))
             if trained and batch > 1:
                 # the "shared draft step" question: the same drafts, one draft forward per request instead of per batch
                 jobs.append(("draft-unshared", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft, shared=False)))
@@ -271,7 +272,7 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
                      "cpu_tok_s": round(cpu_tps, 2),
                      **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward",
                                                    "acceptance_by_position")},
-                     **({"draft_token_cost": round(costs[k], 3)} if k in costs else {})})
+                     **({"draft_token_cost": round(dict(costs[k])[batch], 3)} if k in costs else {})})
     hf_target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=TORCH_DTYPES[dtype]).eval()
     hf_target.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, like our runs
     rows.append({"pair": pair.name, "engine": "transformers", "method": "generate", "batch": 1, "k": 0,
@@ -410,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trained-engine", type=Path, default=None,
                         help="engine folder the trained pairs' target runs from (e.g. out/trained-int8/engines/target, "
                              "built by `make bench-engine`); default: the HF checkpoint in --dtype")
+    parser.add_argument("--trained-pair", type=Path, default=TRAINED,
+                        help=f"folder of the trained pair (target/, draft/; default {TRAINED}, `make trained-pair`)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over our runs, interleaved, best round kept (default 1; 3 on a loaded machine)")
     parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     ks = list(range(1, 9)) if args.full else [int(k) for k in args.ks.split(",")]
     smollm2_ks = ks if args.full else [int(k) for k in args.smollm2_ks.split(",")]
     n_prompts = 3 if args.full else args.prompts
-    pairs = make_pairs(args.pairs.split(","), n_prompts)
+    pairs = make_pairs(args.pairs.split(","), n_prompts, args.trained_pair)
     started = time.time()
     rows: list[dict] = []
     pair_ks = {p.name: smollm2_ks if p.name.startswith("smollm2") else ks for p in pairs}

@@ -82,10 +82,11 @@ async def local_bls(decoder, requests, concurrency: int) -> tuple[float, int, in
     """(seconds, tokens, rounds) for text requests through the in-process orchestrator."""
     async def one(req):
         tokens, rounds = 0, 0
-        async for chunk in decoder.generate(req, lambda: False):
-            tokens += len(chunk.token_ids)
-            if chunk.final:
-                rounds = chunk.stats.rounds
+        with decoder.admit():  # counted in flight like a served request (the batch gate)
+            async for chunk in decoder.generate(req, lambda: False):
+                tokens += len(chunk.token_ids)
+                if chunk.final:
+                    rounds = chunk.stats.rounds
         return tokens, rounds
 
     start, tokens, rounds = time.perf_counter(), 0, 0

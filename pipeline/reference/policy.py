@@ -3,14 +3,27 @@
 Speculation only pays when enough draft tokens are accepted and the target has spare compute:
 - adaptive draft length (transformers' "heuristic" candidate schedule, `update_candidate_strategy`):
   K grows by 2 after a step where every draft token was accepted, shrinks by 1 otherwise;
-- per-request switch-off: once a request has `window` speculative steps behind it and its
-  acceptance so far (all its steps) is below `min_acceptance_rate`, or below `draft_token_cost`
-  (what a draft token costs a step, as a fraction of a plain step: the break-even acceptance,
-  measured by pipeline.reference.step_cost), it decodes plainly to the end (a sliding window
-  switched decent drafts off after a chance run of rejections);
+- switch-off: requests decode plainly while the evidence says their draft tokens do not pay:
+  their acceptance so far (all their steps: a sliding window switched decent drafts off after a
+  chance run of rejections) is below the switch-off bar. The bar is the larger of
+  `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
+  batch size: what one draft token (its verify row and its share of the draft forwards) costs a
+  step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by
+  pipeline.reference.step_cost: about 0.2-0.3 at batch 1 and 0.45-0.7 with 8 in flight on these
+  CPUs, 0 on a GPU);
+- the running requests decide as one: a step's draft forward and verify forward are shared by
+  every request in it, and the break-even is measured with all of them speculating, so the
+  evidence is the running requests' pooled acceptance, and nothing is decided before they have
+  `window * num_draft_tokens` draft tokens between them (at batch 1: the request's own, after about
+  `window` steps). With 8 in flight a useless draft stops after one step instead of `window`.
+  Deciding per request measured worse with 8 in flight (0.75-0.93x where the pooled decision gave
+  0.92-1.01x, docs/benchmarks.md): requests left speculating alone pay for draft forwards nobody
+  shares, and finish long before the others, who then run on at a smaller, less efficient batch.
+  The decision is taken every step, so a batch switched off with 8 in flight speculates again once
+  it shrinks and the bar drops (at a fixed batch size it stays off: no new evidence arrives);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
-  than `max_batch_for_speculation` requests run, nobody speculates this step (the target is
-  compute bound and verification rows are no longer free);
+  than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
+  running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step;
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0, so a proposer
@@ -31,21 +44,39 @@ class PolicyConfig:
     num_draft_tokens: int = 4  # K a request starts with
     max_draft_tokens: int = 8  # K never exceeds this (the engine's max_draft_len)
     adaptive: bool = False  # adapt K per request from its acceptance
-    min_acceptance_rate: float = 0.1  # below this (after `window` steps) a request stops speculating
-    window: int = 8  # speculative steps before the switch-off may decide
-    # break-even acceptance: the cost of one draft token (its verify row and draft forward) in plain steps;
-    # 0 = free (a GPU); step_cost.draft_token_cost measures it. The switch-off uses the larger of the two.
-    draft_token_cost: float = 0.0
+    min_acceptance_rate: float = 0.1  # pooled acceptance below this stops speculation (0: never)
+    window: int = 8  # the switch-off decides once the running requests proposed window * num_draft_tokens
+    # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
+    # batch), ...), in any order, measured by step_cost.draft_token_cost; linear between points, the nearest
+    # point beyond them; () = free (a GPU). The switch-off uses the larger of this and min_acceptance_rate.
+    draft_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
 
     @classmethod
-    def from_spec(cls, speculative, adaptive: bool = False) -> "PolicyConfig":
-        """Take K, the limits and the thresholds from a `pipeline.spec.SpeculativeSpec`."""
+    def from_spec(cls, speculative, adaptive: bool = False,
+                  draft_token_costs: tuple[tuple[int, float], ...] = ()) -> "PolicyConfig":
+        """Take K, the limits and the thresholds from a `pipeline.spec.SpeculativeSpec` (and measured costs)."""
         return cls(num_draft_tokens=speculative.num_draft_tokens, max_draft_tokens=speculative.max_draft_len,
                    adaptive=adaptive, min_acceptance_rate=speculative.min_acceptance_rate,
+                   draft_token_costs=draft_token_costs,
                    max_batch_for_speculation=speculative.max_batch_for_speculation,
                    min_new_tokens_for_speculation=speculative.min_new_tokens_for_speculation)
+
+    def break_even(self, batch_size: int) -> float:
+        """The acceptance a draft token must reach to pay at this running batch size (0 when unmeasured)."""
+        points = sorted(self.draft_token_costs)
+        if not points:
+            return 0.0
+        for (b0, c0), (b1, c1) in zip(points, points[1:]):
+            if batch_size <= b1:
+                return c0 if batch_size <= b0 else c0 + (c1 - c0) * (batch_size - b0) / (b1 - b0)
+        return points[-1][1]
+
+    def switch_off_below(self, batch_size: int) -> float:
+        """The switch-off bar at this batch size: min_acceptance_rate, or the break-even when that is higher
+        (min_acceptance_rate 0: none, the switch-off is off)."""
+        return max(self.min_acceptance_rate, self.break_even(batch_size)) if self.min_acceptance_rate > 0 else 0.0
 
 
 @dataclass
@@ -53,8 +84,6 @@ class _RequestPolicy:
     """What the policy remembers about one request."""
 
     draft_len: int
-    enabled: bool = True
-    steps: int = 0  # speculative steps so far
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
 
@@ -66,13 +95,13 @@ class PolicyProposer:
         self.inner, self.config = inner, config
         self.needs_hidden_states = inner.needs_hidden_states
         self.capture_layers = getattr(inner, "capture_layers", None)
-        self.requests: dict[str, _RequestPolicy] = {}
+        self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
 
     def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
         """K for this request this step (0 = decode plainly)."""
         cfg = self.config
         state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
-        if not state.enabled or batch_size > cfg.max_batch_for_speculation:
+        if batch_size > cfg.max_batch_for_speculation or not self.pays(batch_size):
             return 0
         k = min(state.draft_len, inp.num_tokens)
         if inp.max_new_tokens is not None:
@@ -81,6 +110,16 @@ class PolicyProposer:
             k = min(k, inp.max_new_tokens - inp.num_generated - 1)  # the verify step adds one more token itself
         return max(k, 0)
 
+    def pays(self, batch_size: int) -> bool:
+        """Whether the running requests' evidence so far clears the switch-off bar at this batch size."""
+        cfg = self.config
+        bar = cfg.switch_off_below(batch_size)
+        if bar >= 1:
+            return False  # a draft token costs a whole step: no acceptance pays
+        # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence
+        proposed = sum(r.proposed for r in self.requests.values())
+        return proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed
+
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(inputs))) for inp in inputs]
@@ -88,7 +127,7 @@ class PolicyProposer:
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
-        """Adapt K and decide the switch-off from one verification."""
+        """Adapt K and count the evidence of one verification."""
         self.inner.update(request_id, num_accepted, num_proposed)
         state = self.requests.get(request_id)
         if state is None or num_proposed == 0:
@@ -97,12 +136,8 @@ class PolicyProposer:
         if cfg.adaptive:
             grown = state.draft_len + 2 if num_accepted == num_proposed else state.draft_len - 1
             state.draft_len = max(1, min(grown, cfg.max_draft_tokens))
-        state.steps += 1
         state.accepted += num_accepted
         state.proposed += num_proposed
-        threshold = max(cfg.min_acceptance_rate, cfg.draft_token_cost)
-        if state.steps >= cfg.window and state.accepted < threshold * state.proposed:
-            state.enabled = False
 
     def release(self, request_id: str) -> None:
         """Forget the request here and in the wrapped proposer."""

@@ -1,44 +1,65 @@
 """What one draft token costs a speculative step, measured on this machine: the switch-off's break-even.
 
-A speculative step with K draft tokens runs K draft forwards (none for prompt lookup) and one target
-forward of K + 1 rows instead of a plain step's one row. In a linear cost model that step costs
-1 + K * c plain steps and brings 1 + K * a tokens (a = acceptance), so speculation pays only while
-a >= c: the cost per draft token is the acceptance a request must keep (PolicyConfig.draft_token_cost).
-On a GPU c is near 0; on these CPUs a fp32 verify row costs a large fraction of a step
-(docs/benchmarks.md), so a fixed 10 % threshold keeps drafts that lose.
+A speculative step with K draft tokens per request runs K draft forwards (none for prompt lookup)
+and one target forward of K + 1 rows per request instead of a plain step's one row. In a linear
+cost model that step costs 1 + K * c plain steps and brings 1 + K * a tokens per request
+(a = acceptance), so speculation pays only while a >= c: the cost per draft token is the acceptance
+a request must keep (PolicyConfig.draft_token_costs). On a GPU c is near 0; on these CPUs a verify
+row costs a large fraction of a step (docs/benchmarks.md), so a fixed 10 % threshold keeps drafts
+that lose. c depends on the running batch: with 8 requests a plain step already has 8 rows, and
+the 8 K verify rows and the batched draft forwards cost relatively more (or less) than at batch 1,
+so it is measured per batch size.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.model import LlamaModel, SequenceInput
 
 
-def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, context: int = 256, repeats: int = 20) -> float:
+def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch: int = 1, context: int = 256,
+                     repeats: int = 20) -> float:
     """Cost of one draft token as a fraction of a plain step: (verify(K + 1 rows) + K draft steps - step) / (K * step).
 
-    Measured at batch 1 (one sequence, `context` cached tokens) in CPU time of this process (time
-    other processes take from it on a shared machine does not count), the three forwards
-    interleaved in each of `repeats` rounds, best round of each.
+    Measured with `batch` sequences of `context` cached tokens each (every forward runs all of them:
+    one row each for a plain step and a draft step, K + 1 rows each for the verify), in CPU time of
+    this process (time other processes take from it on a shared machine does not count), the three
+    forwards interleaved in each of `repeats` rounds, best round of each.
     draft None: prompt lookup (no draft forwards). Clipped at 0 (noise can time K + 1 rows below one).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1 (got {k}): the cost is per draft token")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
     runs = [(target, 1), (target, k + 1)] + ([(draft, 1)] if draft is not None else [])
     caches = []
-    for model, rows in runs:
-        kv = model.new_kv_cache(-(-(context + rows) // TOKENS_PER_BLOCK), TOKENS_PER_BLOCK)
-        blocks = list(range(kv.num_blocks))
-        model([SequenceInput([1] * context, 0, blocks)], kv)  # the cached context (and a warm-up)
-        caches.append((kv, blocks))
+    per_sequence = -(-(context + k + 1) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
+    for model, _ in runs:
+        kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
+        tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
+        model([SequenceInput([1] * context, 0, table) for table in tables], kv)  # the cached contexts (and a warm-up)
+        caches.append((kv, tables))
     best = [float("inf")] * len(runs)
     for _ in range(repeats):
-        for i, ((model, rows), (kv, blocks)) in enumerate(zip(runs, caches)):
+        for i, ((model, rows), (kv, tables)) in enumerate(zip(runs, caches)):
+            seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
             start = time.process_time()
-            model([SequenceInput([2] * rows, context, blocks, logits_rows=list(range(rows)))], kv)
+            model(seqs, kv)
             best[i] = min(best[i], time.process_time() - start)
     step, verify = best[0], best[1]
     drafting = k * best[2] if draft is not None else 0.0
     return max((verify + drafting - step) / (k * step), 0.0)
+
+
+def engine_draft_token_cost(target_dir: str | Path, draft_dir: str | Path | None, k: int) -> float:
+    """draft_token_cost at batch 1 of built engines (their qformats and kernels), rounded to 0.01: what the BLS's
+    switch-off uses (tensorrt_llm_bls parameter draft_token_cost, written when the repository is assembled).
+
+    draft_dir None: prompt lookup. Takes a few seconds for SmolLM2-sized engines (both are loaded here).
+    """
+    target = LlamaModel.from_engine_dir(target_dir)
+    draft = LlamaModel.from_engine_dir(draft_dir) if draft_dir is not None else None
+    return round(draft_token_cost(target, draft, k), 2)

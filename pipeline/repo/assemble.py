@@ -118,8 +118,12 @@ def text_model(spec: Spec, name: str, tokenizer_dir: Path) -> ModelConfigSpec:
                            dynamic_batching=batching, parameters=params)
 
 
-def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInfo, has_draft: bool) -> ModelConfigSpec:
-    """tensorrt_llm_bls: the concurrent speculative orchestrator (streaming when serving.decoupled)."""
+def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInfo, has_draft: bool,
+              draft_token_cost: float = 0.0) -> ModelConfigSpec:
+    """tensorrt_llm_bls: the concurrent speculative orchestrator (streaming when serving.decoupled).
+
+    draft_token_cost: the break-even acceptance measured on the engines (`measured_draft_token_cost`).
+    """
     s = spec.speculative
     ngram = s.ngram
     params = {
@@ -140,6 +144,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "min_acceptance_rate": str(s.min_acceptance_rate),
+        "draft_token_cost": str(draft_token_cost),
         "max_batch_for_speculation": str(s.max_batch_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
     }
@@ -180,8 +185,27 @@ def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
     return target, draft
 
 
-def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> list[ModelConfigSpec]:
-    """Every model config of the repository."""
+def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> float:
+    """What one draft token costs a BLS round on the engines built here, as a fraction of a plain step (the
+    BLS switch-off's break-even, pipeline.reference.step_cost) at the spec's K; 0 where the BLS makes no
+    drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines
+    are built elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
+
+    Measured once here rather than at every model load: it costs seconds, a loaded server would time it
+    against its own start-up, and the number stays visible in config.pbtxt.
+    """
+    s = plan.spec.speculative
+    if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
+            and toolchain_traits(plan.toolchain).engines_built_here):
+        return 0.0
+    from pipeline.reference.step_cost import engine_draft_token_cost
+
+    return engine_draft_token_cost(target.path, draft.path if draft is not None else None, s.num_draft_tokens)
+
+
+def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,
+                draft_token_cost: float = 0.0) -> list[ModelConfigSpec]:
+    """Every model config of the repository (draft_token_cost: see `measured_draft_token_cost`)."""
     spec, toolchain = plan.spec, plan.toolchain
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
     kv = kv_fractions(plan)
@@ -189,7 +213,7 @@ def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> lis
               engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
     if draft is not None:
         models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
-    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None)
+    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, draft_token_cost)
     models += [bls, ensemble_model(bls)]
     return models
 
@@ -227,6 +251,7 @@ def assemble(plan: Plan) -> Path:
         dirs = toolchain_module(plan.toolchain).model_dirs(plan)
         return write_llmapi_repo(llm_args(plan.spec, dirs, kv_fractions(plan)["target"]), repo_dir(plan.spec, plan.toolchain))
     target, draft = engine_infos(plan)
-    dest = write_repo(repo_models(plan, target, draft), repo_dir(plan.spec, plan.toolchain))
+    cost = measured_draft_token_cost(plan, target, draft)
+    dest = write_repo(repo_models(plan, target, draft, cost), repo_dir(plan.spec, plan.toolchain))
     validate_repo(dest, plan.spec, target, draft)
     return dest

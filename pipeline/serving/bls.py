@@ -16,17 +16,23 @@ return_context_logits) come from the target's calls only, so they are the target
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
 stream from target calls of PLAIN_CHUNK_TOKENS tokens. A draft failure switches that request to
-plain decoding, counted and logged; acceptance below min_acceptance_rate does the same. While more
+plain decoding, counted and logged; so does acceptance below the switch-off bar after
+ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds: min_acceptance_rate, or the measured break-even
+`draft_token_cost` when that is higher (what a draft token costs a round, in plain steps: a draft
+accepted less often than that makes the request slower than plain decoding). While more
 requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
 TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
+Requests in flight are counted once, by `admit()`: the caller holds it for the whole request (the
+Triton model from admission to its last response), the batch gate and the in-flight gauge read it.
 A request whose `stop()` turns true (client gone, server shutting down) ends within one round or
 one plain chunk by raising `Stopped`: it never ends with a final response that looks complete.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -37,7 +43,7 @@ from pipeline.serving.errors import RequestError, Stopped
 from pipeline.serving.params import BlsSettings, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
-ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before min_acceptance_rate may switch it off
+ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before the switch-off bar may switch it off
 # Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
 # BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
 PLAIN_CHUNK_TOKENS = 16
@@ -130,14 +136,15 @@ class SpeculativeDecoder:
     """Runs text requests against the target (and draft) models; see the module docstring."""
 
     def __init__(self, settings: BlsSettings, client: ModelClient, metrics: SpecMetricsSink,
-                 log_warning: Callable[[str], None] = print):
+                 log_warning: Callable[[str], None] = print, on_in_flight: Callable[[int], None] = lambda n: None):
         self.settings = settings
         self.client = client
         self.metrics = metrics
         self.log_warning = log_warning
         # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
         self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
-        self.in_flight = 0  # generate() calls running in this model instance (the batch gate counts them)
+        self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
+        self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
     def check_limits(self, req: TextRequest) -> None:
         """Speculative requests re-send the whole sequence each round: it must fit the target's input limit."""
@@ -151,18 +158,28 @@ class SpeculativeDecoder:
         """Whether this request runs speculative rounds (policy: K > 0, long enough output)."""
         return req.num_draft_tokens > 0 and req.max_tokens >= self.settings.min_new_tokens_for_speculation
 
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Count one request in flight while the block runs (the batch gate and the in-flight gauge read it)."""
+        self._count(+1)
+        try:
+            yield
+        finally:
+            self._count(-1)
+
+    def _count(self, delta: int) -> None:
+        self.in_flight += delta
+        self.on_in_flight(self.in_flight)
+
     async def generate(self, req: TextRequest, cancelled: Callable[[], bool]) -> AsyncIterator[Chunk]:
         """Yield token chunks for one request; the last has final=True and the request's stats.
 
-        Raises Stopped when `cancelled()` turned true before the request finished.
+        Call it inside `admit()`, so that the batch gate counts the request. Raises Stopped when
+        `cancelled()` turned true before the request finished.
         """
         self.check_limits(req)
-        self.in_flight += 1
-        try:
-            async for chunk in self._generate(req, cancelled):
-                yield chunk
-        finally:
-            self.in_flight -= 1
+        async for chunk in self._generate(req, cancelled):
+            yield chunk
 
     def gated(self) -> bool:
         """The batch gate: more requests in flight here than speculative.max_batch_for_speculation decode plainly."""
@@ -213,7 +230,7 @@ class SpeculativeDecoder:
                 finished = True
                 break
             if (stats.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and stats.total_draft_tokens
-                    and stats.acceptance_rate < self.settings.min_acceptance_rate):
+                    and stats.acceptance_rate < self.settings.switch_off_below):
                 speculate = False
         if not finished and len(generated) < req.max_tokens:
             raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")

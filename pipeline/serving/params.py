@@ -125,9 +125,18 @@ class BlsSettings:
     verify_input_len: int = 2047  # longest input_ids the target accepts (a verify call re-sends the sequence)
     min_new_tokens_for_speculation: int = 0
     min_acceptance_rate: float = 0.0
+    # break-even acceptance: what one draft token costs a round, as a fraction of a plain step, measured on the
+    # engines when the repository is assembled (pipeline.reference.step_cost); 0 = free (not measured, a GPU)
+    draft_token_cost: float = 0.0
     max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
     stall_timeout_s: float = 60.0  # a model call with no response for this long fails
+
+    @property
+    def switch_off_below(self) -> float:
+        """The acceptance a speculating request must keep: min_acceptance_rate, or the break-even when higher
+        (min_acceptance_rate 0: none, the switch-off is off)."""
+        return max(self.min_acceptance_rate, self.draft_token_cost) if self.min_acceptance_rate > 0 else 0.0
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "BlsSettings":

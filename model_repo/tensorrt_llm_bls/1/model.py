@@ -35,9 +35,10 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
         # one serving.decoupled for the BLS and the engines
         self.client = TritonModelClient(self.decoupled, self.settings.stall_timeout_s, self._model_down)
-        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn)
+        # the decoder counts the requests in flight (its batch gate); the drain gauge shows its count
+        self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn,
+                                          on_in_flight=self.metrics.in_flight.set)
         self.drain = DrainState()
-        self.in_flight = 0
 
     def _model_down(self, model, reason):
         role = "draft" if model == self.settings.draft_model else "target"
@@ -56,8 +57,11 @@ class TritonPythonModel:
             triton_io.send_final_error(sender, Unavailable(
                 f"{self.name}: the server is shutting down and takes no new requests; send it to another replica"))
             return
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
+        with self.decoder.admit():
+            await self._respond(request, sender)
+
+    async def _respond(self, request, sender):
+        """Parse, generate and send one admitted request; every path ends it with a final response or error."""
         try:
             inputs = triton_io.request_inputs(request, self.input_names)
             req = parse_text_request(inputs, self.settings, self.tokenizer)
@@ -82,9 +86,6 @@ class TritonPythonModel:
         except Exception as exc:  # every error path closes the request, or its client waits forever
             if not request.is_cancelled():
                 triton_io.send_final_error(sender, exc)
-        finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
 
     def finalize(self):
         self.client.close()
