@@ -258,3 +258,24 @@ def test_bls_gets_the_draft_token_cost_measured_on_the_built_engines(tiny_spec_e
     settings = BlsSettings.from_parameters(bls.parameters)
     assert settings.draft_token_cost == cost
     assert settings.switch_off_below == (max(floor, cost) if floor else 0.0)
+
+
+def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
+    """A second assembly of the same engines reuses the measured cost (kept in the output dir by engine pair and K)."""
+    from pipeline.repo.assemble import measured_draft_token_cost
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
+    plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    first = measured_draft_token_cost(plan, target, draft)
+    memo_path = spec.out_dir / "draft_token_cost.json"
+    memo = json.loads(memo_path.read_text())
+    (key,) = [k for k in memo if k.endswith(f"K={spec.speculative.num_draft_tokens}")]
+    memo[key] = first + 1.0  # what the file says is what the next assembly uses: nothing is measured again
+    memo_path.write_text(json.dumps(memo))
+    try:
+        assert measured_draft_token_cost(plan, target, draft) == first + 1.0
+    finally:
+        memo[key] = first
+        memo_path.write_text(json.dumps(memo))

@@ -191,8 +191,10 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
     drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines
     are built elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
-    Measured once here rather than at every model load: it costs seconds, a loaded server would time it
-    against its own start-up, and the number stays visible in config.pbtxt.
+    Measured here rather than at every model load: it costs seconds, a loaded server would time it
+    against its own start-up, and the number stays visible in config.pbtxt. Kept in
+    `<output dir>/draft_token_cost.json` by engine pair and K (the engine links resolve to their cached
+    builds), so the next assembly of the same engines reuses it.
     """
     s = plan.spec.speculative
     if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
@@ -200,7 +202,14 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
         return 0.0
     from pipeline.reference.step_cost import engine_draft_token_cost
 
-    return engine_draft_token_cost(target.path, draft.path if draft is not None else None, s.num_draft_tokens)
+    key = f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens}"
+    memo_path = plan.spec.out_dir / "draft_token_cost.json"
+    memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    if key not in memo:
+        memo[key] = engine_draft_token_cost(target.path, draft.path if draft is not None else None, s.num_draft_tokens)
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        memo_path.write_text(json.dumps(memo, indent=2))
+    return memo[key]
 
 
 def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,
