@@ -11,10 +11,13 @@ Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on 
 context through the reference model of each engine (attention per token as the exactness tests run
 it, and batched per sequence as serving runs it): the verify cost of K = 5 against a decode step, and
 the plain decode step's share of the memory roofline (weight bytes / bandwidth of the same repeats),
-per torch thread count (--threads); then one decode step per engine under torch.profiler: the linear
-kernels' time against every other op's, and the number of torch ops.
+per torch thread count (--threads) and layer mode (--modes: eager op by op, or compiled, the int8_sq
+layers' small ops fused by inductor, pipeline/reference/compiled.py); then one decode step per
+engine and mode under torch.profiler: the linear kernels' time against every other op's, and the
+number of torch ops.
 
-    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--engines out/default/engines/target ...]
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--modes eager,compiled]
+        [--engines out/default/engines/target ...]
 """
 
 from __future__ import annotations
@@ -164,6 +167,11 @@ KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quant
               "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear")
 
 
+def _is_op(key: str) -> bool:
+    # a torch op, or one call of an inductor-compiled region (compiled.CompiledLayers) and its wrapper
+    return "::" in key or "CompiledFxGraph" in key or key.startswith("AOTDispatcher")
+
+
 def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
     """(torch ops per forward, ms in the weight-reading linear kernels, ms in all ops) of one forward, torch.profiler.
 
@@ -175,24 +183,38 @@ def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
         for _ in range(reps):
             model([seq], kv)
     events = prof.key_averages()
-    ops = sum(e.count for e in events if "::" in e.key) / reps
+    ops = sum(e.count for e in events if _is_op(e.key)) / reps
     kernel_us = sum(e.self_cpu_time_total for e in events if e.key in KERNEL_OPS) / reps
-    total_us = sum(e.self_cpu_time_total for e in events if "::" in e.key) / reps
+    total_us = sum(e.self_cpu_time_total for e in events if _is_op(e.key)) / reps
     return ops, kernel_us / 1000, total_us / 1000
 
 
-def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: int = 128, new: int = 6) -> None:
-    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine and thread count.
+def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str], context: int = 128,
+                new: int = 6) -> None:
+    """Part 2: forward of 1 and of `new` tokens after `context` cached tokens, per engine, layer mode and thread count.
 
     Prints ms, the verify ratio and the share of the memory roofline (weight bytes / read bandwidth
     measured in the same repeats); two attention modes: batch-invariant (every token its own SDPA
     call, as the exactness tests run) and batched (one masked SDPA per sequence, as serving runs).
-    Then, per engine, where one decode step goes (torch.profiler): the linear kernels against
+    Layer modes: "eager" (op by op) and "compiled" (compiled.CompiledLayers: the ops between the int8
+    GEMMs fused by inductor; int8_sq engines only), timed alternately in the same repeats. Then, per
+    engine and mode, where one decode step goes (torch.profiler): the linear kernels against
     everything else, and the number of torch ops.
     """
+    from pipeline.reference import compiled
     from pipeline.reference.model import LlamaModel, SequenceInput
 
     models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
+    variants = {}  # (engine, mode) -> CompiledLayers or None (eager)
+    for d, model in models.items():
+        for mode in layer_modes:
+            if mode == "eager":
+                variants[(d, mode)] = None
+            elif compiled.eligible(model) is None:
+                start = time.perf_counter()
+                variants[(d, mode)] = compiled.CompiledLayers(model)
+                print(f"{d}: compiled layers built in {time.perf_counter() - start:.1f} s (compiled, or loaded from "
+                      "inductor's on-disk cache)")
     ids = [(7 * i + 3) % 1000 + 10 for i in range(context + new)]
     caches = {}
     for d, model in models.items():
@@ -204,42 +226,45 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
         return SequenceInput(ids[context:context + n], context, list(range(caches[d].num_blocks)), logits_rows=list(range(n)))
 
     cases = [(1, True), (new, True), (new, False)]
-    times = {(d, t, case): [] for d in models for t in threads for case in cases}
+    times = {(v, t, case): [] for v in variants for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
     for _ in range(reps):
         bandwidth.append(bandwidth_gbs(buffer))
         for t in threads:
             torch.set_num_threads(t)
-            for d, model in models.items():
+            for (d, mode), layers in variants.items():
+                model = models[d]
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
+                model.compiled_layers = layers
                 for n, invariant in cases:
                     model.batch_invariant = invariant
                     start = time.perf_counter()
                     model([seq(d, n)], caches[d])
-                    times[(d, t, (n, invariant))].append(time.perf_counter() - start)
+                    times[((d, mode), t, (n, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forward after {context} "
           f"cached tokens, median of {reps}")
-    print(f"| engine | threads | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, "
+    print(f"| engine | layers | threads | weight MB | floor ms | 1 token | {new} tokens, batch-invariant | ratio | {new} tokens, "
           "batched attention | ratio | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for d, model in models.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d, mode) in variants:
+        model = models[d]
         for t in threads:
-            one, *many = (statistics.median(times[(d, t, case)]) for case in cases)
+            one, *many = (statistics.median(times[((d, mode), t, case)]) for case in cases)
             floor = model.weight_bytes / bw / 1e9
-            print(f"| {d} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+            print(f"| {d} | {mode} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
     torch.set_num_threads(threads[0])
-    for model in models.values():
-        model.decode_threads = threads[0]
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
-    print("| engine | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
-    print("|---|---|---|---|---|")
-    for d, model in models.items():
-        model.batch_invariant = True
+    print("| engine | layers | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
+    print("|---|---|---|---|---|---|")
+    for (d, mode), layers in variants.items():
+        model = models[d]
+        model.decode_threads, model.compiled_layers, model.batch_invariant = threads[0], layers, True
         ops, kernels, total = step_profile(model, seq(d, 1), caches[d])
-        print(f"| {d} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | {model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
+        print(f"| {d} | {mode} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
+              f"{model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -251,6 +276,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="*", default=[], help="engine folders for part 2 (model forwards)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--threads", default="1,2", help="torch thread counts for part 2 (default 1,2; part 1 runs on the first)")
+    parser.add_argument("--modes", default="eager,compiled",
+                        help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
     args = parser.parse_args()
     threads = [min(int(t), os.cpu_count() or 1) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
@@ -259,7 +286,7 @@ def main() -> None:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
-            bench_model(args.engines, args.reps, threads)
+            bench_model(args.engines, args.reps, threads, args.modes.split(","))
 
 
 if __name__ == "__main__":

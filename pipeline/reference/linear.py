@@ -117,9 +117,13 @@ class Int8PerToken:
         xf = x.float()
         if self.inv_smoother is not None:
             xf = xf * self.inv_smoother
-        row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [T, 1]
-        y = (_fixed_grid_linear(xf / row_scale, GRID_STEP, GRID_ZERO_POINT, self.packed) * row_scale).to(x.dtype)
+        x_unit, row_scale = scale_rows(xf)
+        y = (self.grid_gemm(x_unit) * row_scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def grid_gemm(self, x_unit: torch.Tensor) -> torch.Tensor:
+        """fbgemm's GEMM [T, out] float32 of rows already divided by their row scale (`scale_rows`), unscaled."""
+        return _fixed_grid_linear(x_unit, GRID_STEP, GRID_ZERO_POINT, self.packed)
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +149,12 @@ class Float16Weights:
     def nbytes(self) -> int:
         """Bytes one call reads."""
         return self.weight_nbytes + tensor_bytes([self.bias])
+
+
+def scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] float32 divided by each row's max |x| (values in [-1, 1]), and that row scale [T, 1]."""
+    row_scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    return x / row_scale, row_scale
 
 
 def tensor_bytes(tensors: list[torch.Tensor | None]) -> int:
