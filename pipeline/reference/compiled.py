@@ -29,11 +29,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.reference.linear import Int8PerToken, scale_rows
+from pipeline.reference.model import _intra_op_threads
+
+ENV = "REFERENCE_COMPILED_LAYERS"  # "0": engines run their layers eager (EngineConfig.compiled_layers' default)
 
 log = logging.getLogger(__name__)
 
@@ -57,33 +62,20 @@ class CompiledLayers:
         if reason is not None:
             raise ValueError(f"compiled layers are not available for this model: {reason}")
         self.model = model
-        H, KVH, D, eps = model.num_heads, model.num_kv_heads, model.head_size, model.eps
+        H, KVH, D = model.num_heads, model.num_kv_heads, model.head_size
         hidden, inter = model.hidden_size, model.config["intermediate_size"]
-        qkv_out = (H + 2 * KVH) * D
-        ones = torch.ones
-        # per layer: the SmoothQuant input scalings (1 / smoother, ones without one) and the qkv bias (zeros without)
+        # per layer: the SmoothQuant input scalings (1 / smoother; ones without one) and the qkv bias (zeros without)
         self.layers = [{
             "input_norm": layer["input_norm"], "post_norm": layer["post_norm"],
             **{k: layer[k] for k in ("qkv", "o", "gate_up", "down")},
-            "qkv_in": _or(layer["qkv"].inv_smoother, ones(hidden)), "o_in": _or(layer["o"].inv_smoother, ones(H * D)),
-            "gate_up_in": _or(layer["gate_up"].inv_smoother, ones(hidden)),
-            "down_in": _or(layer["down"].inv_smoother, ones(inter)),
-            "qkv_bias": _or(layer["qkv"].bias, torch.zeros(qkv_out)),
+            "qkv_in": _or(layer["qkv"].inv_smoother, torch.ones(hidden)),
+            "o_in": _or(layer["o"].inv_smoother, torch.ones(H * D)),
+            "gate_up_in": _or(layer["gate_up"].inv_smoother, torch.ones(hidden)),
+            "down_in": _or(layer["down"].inv_smoother, torch.ones(inter)),
+            "qkv_bias": _or(layer["qkv"].bias, torch.zeros((H + 2 * KVH) * D)),
         } for layer in model.layers]
         start = time.perf_counter()
-        T = 2  # traced with 2 rows; the row count stays symbolic (1 included)
-
-        def r(*shape):  # a fresh example tensor per input: make_fx would merge one passed twice into one input
-            return torch.rand(*shape)
-
-        self.head = _compile(functools.partial(_norm_scale, eps=eps), r(T, hidden), r(hidden), r(hidden))
-        self.rope = _compile(functools.partial(_rope, heads=(H, KVH, KVH), head_size=D),
-                             r(T, qkv_out), r(T, 1), r(qkv_out), r(T, 1, D), r(T, 1, D))
-        self.scale = _compile(_scale, r(T, H * D), r(H * D))
-        self.residual = _compile(functools.partial(_residual_norm_scale, eps=eps),
-                                 r(T, hidden), r(T, hidden), r(T, 1), r(hidden), r(hidden))
-        self.silu = _compile(_silu_scale, r(T, 2 * inter), r(T, 1), r(inter))
-        self.tail = _compile(functools.partial(_residual_norm, eps=eps), r(T, hidden), r(T, hidden), r(T, 1), r(hidden))
+        self.regions = _regions(H, KVH, D, hidden, inter, model.eps)
         self.compile_seconds = time.perf_counter() - start
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan,
@@ -92,35 +84,78 @@ class CompiledLayers:
 
         captured: the residual-stream outputs of `capture_layers`, as model.forward returns them.
         """
-        model, layers = self.model, self.layers
-        xq, s = self.head(x, layers[0]["input_norm"], layers[0]["qkv_in"])
+        model, layers, r = self.model, self.layers, self.regions
+        xq, s = r.head(x, layers[0]["input_norm"], layers[0]["qkv_in"])
         captured = []
         for li, layer in enumerate(layers):
-            q, k, v = self.rope(layer["qkv"].grid_gemm(xq), s, layer["qkv_bias"], cos, sin)  # [T, H|KVH, D]
+            q, k, v = r.rope(layer["qkv"].grid_gemm(xq), s, layer["qkv_bias"], cos, sin)  # [T, H|KVH, D]
             kv.write(li, plan.slots, k, v)
-            aq, s = self.scale(model._attention(li, q, kv, plan), layer["o_in"])
-            x, hq, s = self.residual(x, layer["o"].grid_gemm(aq), s, layer["post_norm"], layer["gate_up_in"])
-            dq, s_down = self.silu(layer["gate_up"].grid_gemm(hq), s, layer["down_in"])
+            aq, s = r.scale(model._attention(li, q, kv, plan), layer["o_in"])
+            x, hq, s = r.residual(x, layer["o"].grid_gemm(aq), s, layer["post_norm"], layer["gate_up_in"])
+            dq, s_down = r.silu(layer["gate_up"].grid_gemm(hq), s, layer["down_in"])
             y = layer["down"].grid_gemm(dq)
             if li + 1 < len(layers):
                 nxt = layers[li + 1]
-                x, xq, s = self.residual(x, y, s_down, nxt["input_norm"], nxt["qkv_in"])
+                x, xq, s = r.residual(x, y, s_down, nxt["input_norm"], nxt["qkv_in"])
             else:
-                x, hidden = self.tail(x, y, s_down, model.final_norm)
+                x, hidden = r.tail(x, y, s_down, model.final_norm)
             if capture_layers is not None and li in capture_layers:
                 captured.append(x)
         return hidden, captured
 
 
 def build(model) -> CompiledLayers | None:
-    """CompiledLayers for `model`, or None (one logged line saying why) when the model or inductor cannot."""
-    try:
-        compiled = CompiledLayers(model)
-    except Exception as e:  # noqa: BLE001 - any compiler failure falls back to the eager layers
-        log.warning("compiled layers off, running eager: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    """CompiledLayers for `model`, or None, with one logged line, when the model is not eligible or inductor fails."""
+    reason = eligible(model)
+    if reason is not None:
+        log.info("compiled layers off, running eager: %s", reason)
         return None
-    log.info("compiled layers on (%.1f s to compile or load from inductor's cache)", compiled.compile_seconds)
-    return compiled
+    try:
+        layers = CompiledLayers(model)
+    except Exception as e:  # noqa: BLE001 - whatever inductor or the C++ compiler raises, the eager layers still run
+        log.warning("compiled layers off, running eager: compiling failed: %s: %s", type(e).__name__,
+                    (str(e).splitlines() or [""])[0])
+        return None
+    log.info("compiled layers on (%.1f s to compile, or to load from inductor's cache)", layers.compile_seconds)
+    return layers
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """The compiled regions of one layer shape (weights are inputs: every layer and model of the shape shares them)."""
+
+    head: Callable  # (x, norm, 1/smoother) -> qkv input / row scale, row scale
+    rope: Callable  # (qkv GEMM output, row scale, bias, cos, sin) -> q, k, v
+    scale: Callable  # (attention output, 1/smoother) -> o input / row scale, row scale
+    residual: Callable  # (x, GEMM output, row scale, norm, next 1/smoother) -> x, next input / row scale, row scale
+    silu: Callable  # (gate_up GEMM output, row scale, 1/smoother) -> down input / row scale, row scale
+    tail: Callable  # (x, down GEMM output, row scale, final norm) -> x, final-norm output
+
+
+@functools.lru_cache(maxsize=None)
+def _regions(H: int, KVH: int, D: int, hidden: int, inter: int, eps: float) -> _Regions:
+    """Trace and compile the regions (or load them from inductor's on-disk cache), once per process and shape.
+
+    Compiled on one thread: inductor fixes a kernel's OpenMP thread count at compile time, and a
+    one-thread kernel reduces every row in the same order whatever the row count.
+    """
+    T = 2  # traced with 2 rows; the row count stays symbolic (1 included)
+
+    def r(*shape):  # a fresh example tensor per input: make_fx would merge one passed twice into one input
+        return torch.rand(*shape)
+
+    qkv_out = (H + 2 * KVH) * D
+    with _intra_op_threads(1):
+        return _Regions(
+            head=_compile(functools.partial(_norm_scale, eps=eps), r(T, hidden), r(hidden), r(hidden)),
+            rope=_compile(functools.partial(_rope, heads=(H, KVH, KVH), head_size=D),
+                          r(T, qkv_out), r(T, 1), r(qkv_out), r(T, 1, D), r(T, 1, D)),
+            scale=_compile(_scale, r(T, H * D), r(H * D)),
+            residual=_compile(functools.partial(_residual_norm_scale, eps=eps),
+                              r(T, hidden), r(T, hidden), r(T, 1), r(hidden), r(hidden)),
+            silu=_compile(_silu_scale, r(T, 2 * inter), r(T, 1), r(inter)),
+            tail=_compile(functools.partial(_residual_norm, eps=eps), r(T, hidden), r(T, hidden), r(T, 1), r(hidden)),
+        )
 
 
 # ---------------------------------------------------------------- the regions (traced; x: [T, features] float32)
