@@ -27,6 +27,7 @@ in its own order); greedy tokens agree (tests/test_compiled.py).
 from __future__ import annotations
 
 import functools
+import locale
 import logging
 import time
 from collections.abc import Callable
@@ -145,6 +146,7 @@ def _regions(H: int, KVH: int, D: int, hidden: int, inter: int, eps: float) -> _
         return torch.rand(*shape)
 
     qkv_out = (H + 2 * KVH) * D
+    _utf8_text_files()
     with _intra_op_threads(1):
         return _Regions(
             head=_compile(functools.partial(_norm_scale, eps=eps), r(T, hidden), r(hidden), r(hidden)),
@@ -213,6 +215,17 @@ def _compile(fn, *example):
     with fx_config.patch(backed_size_oblivious=True):  # the row count is never specialised to 1: one kernel for all
         graph = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*inputs)
     return torch._inductor.standalone_compile(graph, inputs, dynamic_shapes="from_graph")
+
+
+def _utf8_text_files() -> None:
+    """Make open()'s default encoding UTF-8 when the process still runs in the C locale (ASCII).
+
+    Triton's python model stubs start their interpreter without Python's locale coercion, and under
+    ASCII torch's inductor cannot even be imported (it reads its kernel templates, which hold UTF-8
+    characters, with the default encoding); PYTHONUTF8=1 in the server's environment does not reach it.
+    """
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
