@@ -255,6 +255,13 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {mode} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   + " | ".join(f"{m * 1000:.1f} ms | {m / one:.2f}x" for m in many) + f" | {floor / one:.0%} |", flush=True)
+    for (d, mode) in variants:  # per-repeat ratios: both modes ran back to back in every repeat, under the same load
+        if mode != "eager" and (d, "eager") in variants:
+            for t in threads:
+                ratios = sorted(a / b for a, b in zip(times[((d, mode), t, cases[0])], times[((d, "eager"), t, cases[0])]))
+                print(f"{d}, {t} thread(s): 1 token {mode} / eager, per repeat: median {statistics.median(ratios):.2f}, "
+                      f"range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times {min(times[((d, mode), t, cases[0])]) * 1000:.1f} "
+                      f"against {min(times[((d, 'eager'), t, cases[0])]) * 1000:.1f} ms")
     torch.set_num_threads(threads[0])
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
     print("| engine | layers | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
