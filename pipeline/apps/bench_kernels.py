@@ -74,6 +74,12 @@ def onednn_prepacked(w: torch.Tensor):
     return lambda x: packed(x.to_mkldnn()).to_dense()
 
 
+def onednn_packed_for_rows(w: torch.Tensor, rows: int = 6):
+    """oneDNN's fp32 GEMM on weights packed once for `rows` rows (what inductor's freezing emits for linears)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def int_mm_per_token(w: torch.Tensor):
     """Per-token W8A8 through torch._int_mm (int8 x int8 -> int32), the alternative to fbgemm."""
     q, scale = quantize_int8(w)
@@ -96,8 +102,10 @@ def int8_project(kernel_cls):
 
 KERNELS = {
     "fp32 F.linear": lambda w: (lambda x, w=w: F.linear(x, w)),
-    "fp32 F.linear, wide layout (DenseLinear)": DenseLinear,
+    "fp32 F.linear, wide layout": lambda w: (lambda x, w=wide_layout(w): F.linear(x, w)),
     "fp32 oneDNN prepacked": onednn_prepacked,
+    "fp32 oneDNN packed for 6 rows (_linear_pointwise)": onednn_packed_for_rows,
+    "fp32 DenseLinear (F.linear wide for 1 row, oneDNN packed for 2-16)": DenseLinear,
     "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
