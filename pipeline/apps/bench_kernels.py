@@ -172,7 +172,8 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 
 
 KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
-              "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear")
+              "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear",
+              "mkldnn::_linear_pointwise")
 
 
 def _is_op(key: str) -> bool:
