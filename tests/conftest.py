@@ -1,8 +1,15 @@
 """Shared fixtures: tiny generated checkpoints, built once per test session."""
 
+import os
+
 import pytest
 
 from pipeline.fixtures.toymodels import make_derived_pair, make_tiny_llama
+from pipeline.reference.compiled import ENV as COMPILED_LAYERS_ENV
+
+# Engines (in-process and in the servers the tests start) run eager layers unless a test turns compiled
+# layers on: compiling them would add seconds to every engine load (tests/test_compiled.py covers them).
+os.environ.setdefault(COMPILED_LAYERS_ENV, "0")
 
 # Real-Triton fixtures (tiny_spec_engines, triton_server): one server per session.
 pytest_plugins = ["tests.triton_fixtures"]

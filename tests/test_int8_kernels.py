@@ -8,13 +8,14 @@ the plain greedy tokens of the same engine, at batch 1 and with 8 requests in fl
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specbuild.plan import make_plan
 from pipeline.reference.checkpoint import dequantize_linear, load_engine, quantize_linear
 from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import Float16Weights, Int8PerToken, Int8WeightOnly
+from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
 from tests.test_speculative import drive, prompts
@@ -72,6 +73,17 @@ def test_fp16_weight_kernel_is_row_invariant():
     assert torch.equal(kernel(x[2:3]), kernel(x)[2:3])
     torch.testing.assert_close(kernel(x), x @ w.half().float().T, atol=1e-4, rtol=1e-4)
     assert kernel.nbytes == w.numel() * 2
+
+
+def test_float32_dense_linear_takes_verify_sized_calls_on_onednn():
+    w = torch.randn(200, 64, generator=torch.Generator().manual_seed(4))
+    kernel = DenseLinear(w)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(5))
+    for n in (1, 17, 20):  # one row and prefill-sized calls: MKL's F.linear on the (wide) weight layout
+        assert torch.equal(kernel(x[:n]), F.linear(x[:n], kernel.weight))
+    for n in (2, 6, 16):  # verify-sized calls: oneDNN's packed GEMM, within fp32 rounding of the same product
+        torch.testing.assert_close(kernel(x[:n]), F.linear(x[:n], w), atol=1e-5, rtol=1e-5)
+    assert kernel.nbytes == w.numel() * 4
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,12 @@ context, and one decode step of 8 sequences in flight, through the reference mod
 batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
 sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step, and the plain decode
 step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
-count (--threads); then one decode step per engine under torch.profiler: the linear kernels' time
-against every other op's, and the number of torch ops.
+count (--threads) and layer mode (--modes: eager op by op, or compiled, the int8_sq layers' small ops
+fused by inductor, pipeline/reference/compiled.py); then one decode step per engine and mode under
+torch.profiler: the linear kernels' time against every other op's, and the number of torch ops.
 
-    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--engines out/default/engines/target ...]
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--modes eager,compiled]
+        [--engines out/default/engines/target ...]
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def onednn_prepacked(w: torch.Tensor):
     return lambda x: packed(x.to_mkldnn()).to_dense()
 
 
+def onednn_packed_for_rows(w: torch.Tensor, rows: int = 6):
+    """oneDNN's fp32 GEMM on weights packed once for `rows` rows (what inductor's freezing emits for linears)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def int_mm_per_token(w: torch.Tensor):
     """Per-token W8A8 through torch._int_mm (int8 x int8 -> int32), the alternative to fbgemm."""
     q, scale = quantize_int8(w)
@@ -94,8 +102,10 @@ def int8_project(kernel_cls):
 
 KERNELS = {
     "fp32 F.linear": lambda w: (lambda x, w=w: F.linear(x, w)),
-    "fp32 F.linear, wide layout (DenseLinear)": DenseLinear,
+    "fp32 F.linear, wide layout": lambda w: (lambda x, w=wide_layout(w): F.linear(x, w)),
     "fp32 oneDNN prepacked": onednn_prepacked,
+    "fp32 oneDNN packed for 6 rows (_linear_pointwise)": onednn_packed_for_rows,
+    "fp32 DenseLinear (F.linear wide for 1 row, oneDNN packed for 2-16)": DenseLinear,
     "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
@@ -162,7 +172,13 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 
 
 KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
-              "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear")
+              "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear",
+              "mkldnn::_linear_pointwise")
+
+
+def _is_op(key: str) -> bool:
+    # a torch op, or one call of an inductor-compiled region (compiled.CompiledLayers) and its wrapper
+    return "::" in key or "CompiledFxGraph" in key or key.startswith("AOTDispatcher")
 
 
 def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
@@ -176,26 +192,39 @@ def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
         for _ in range(reps):
             model([seq], kv)
     events = prof.key_averages()
-    ops = sum(e.count for e in events if "::" in e.key) / reps
+    ops = sum(e.count for e in events if _is_op(e.key)) / reps
     kernel_us = sum(e.self_cpu_time_total for e in events if e.key in KERNEL_OPS) / reps
-    total_us = sum(e.self_cpu_time_total for e in events if "::" in e.key) / reps
+    total_us = sum(e.self_cpu_time_total for e in events if _is_op(e.key)) / reps
     return ops, kernel_us / 1000, total_us / 1000
 
 
-def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: int = 128, new: int = 6,
-                batch: int = 8) -> None:
-    """Part 2: forwards after about `context` cached tokens, per engine and thread count, in both attention modes.
+def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str], context: int = 128,
+                new: int = 6, batch: int = 8) -> None:
+    """Part 2: forwards after about `context` cached tokens, per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, and one decode step of `batch` sequences (contexts
     spread around `context`: 8 in flight), each batch-invariant (every token its own SDPA batch element
     over aligned keys, as serving and the exactness tests run) and batched (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
-    bandwidth measured in the same repeats). Then, per engine, where one decode step goes (torch.profiler):
-    the linear kernels against everything else, and the number of torch ops.
+    bandwidth measured in the same repeats). Layer modes: "eager" (op by op) and "compiled"
+    (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only),
+    timed alternately in the same repeats. Then, per engine and mode, where one decode step goes
+    (torch.profiler): the linear kernels against everything else, and the number of torch ops.
     """
+    from pipeline.reference import compiled
     from pipeline.reference.model import LlamaModel, SequenceInput
 
     models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
+    variants = {}  # (engine, mode) -> CompiledLayers or None (eager)
+    for d, model in models.items():
+        for mode in layer_modes:
+            if mode == "eager":
+                variants[(d, mode)] = None
+            elif compiled.eligible(model) is None:
+                start = time.perf_counter()
+                variants[(d, mode)] = compiled.CompiledLayers(model)
+                print(f"{d}: compiled layers built in {time.perf_counter() - start:.1f} s (compiled, or loaded from "
+                      "inductor's on-disk cache)")
     lengths = [context * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)][:batch]  # the in-flight sequences' contexts
     ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + new)]
     per_seq = -(-(max(lengths) + new) // 32)  # blocks per sequence
@@ -211,44 +240,54 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], context: 
                               logits_rows=list(range(n))) for j in range(b)]
 
     cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch)) for invariant in (True, False)]
-    times = {(d, t, case): [] for d in models for t in threads for case in cases}
+    times = {(v, t, case): [] for v in variants for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
     for rep in range(reps):
         bandwidth.append(bandwidth_gbs(buffer))  # evicts the caches: the case right after it runs cold
         for t in threads:
             torch.set_num_threads(t)
-            for d, model in models.items():
+            for (d, mode), layers in variants.items():
+                model = models[d]
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
+                model.compiled_layers = layers
                 for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
                     model(seqs(d, n, b), caches[d])
-                    times[(d, t, (n, b, invariant))].append(time.perf_counter() - start)
+                    times[((d, mode), t, (n, b, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forwards after {context} cached "
           f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
           "batched = one masked SDPA per sequence")
-    print(f"| engine | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
+    print(f"| engine | layers | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
           f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for d, model in models.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d, mode) in variants:
+        model = models[d]
         for t in threads:
-            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[(d, t, case)]) for case in cases)
+            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[((d, mode), t, case)]) for case in cases)
             floor = model.weight_bytes / bw / 1e9
-            print(f"| {d} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+            print(f"| {d} | {mode} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
                   f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
+    for (d, mode) in variants:  # per-repeat ratios: both modes ran back to back in every repeat, under the same load
+        if mode != "eager" and (d, "eager") in variants:
+            for t in threads:
+                ratios = sorted(a / b for a, b in zip(times[((d, mode), t, cases[0])], times[((d, "eager"), t, cases[0])]))
+                print(f"{d}, {t} thread(s): 1 token {mode} / eager, per repeat: median {statistics.median(ratios):.2f}, "
+                      f"range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times {min(times[((d, mode), t, cases[0])]) * 1000:.1f} "
+                      f"against {min(times[((d, 'eager'), t, cases[0])]) * 1000:.1f} ms")
     torch.set_num_threads(threads[0])
-    for model in models.values():
-        model.decode_threads = threads[0]
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
-    print("| engine | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
-    print("|---|---|---|---|---|")
-    for d, model in models.items():
-        model.batch_invariant = True
+    print("| engine | layers | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
+    print("|---|---|---|---|---|---|")
+    for (d, mode), layers in variants.items():
+        model = models[d]
+        model.decode_threads, model.compiled_layers, model.batch_invariant = threads[0], layers, True
         ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d])
-        print(f"| {d} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | {model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
+        print(f"| {d} | {mode} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
+              f"{model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -260,6 +299,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="*", default=[], help="engine folders for part 2 (model forwards)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--threads", default="1,2", help="torch thread counts for part 2 (default 1,2; part 1 runs on the first)")
+    parser.add_argument("--modes", default="eager,compiled",
+                        help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
     args = parser.parse_args()
     threads = [min(int(t), os.cpu_count() or 1) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
@@ -268,7 +309,7 @@ def main() -> None:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
-            bench_model(args.engines, args.reps, threads)
+            bench_model(args.engines, args.reps, threads, args.modes.split(","))
 
 
 if __name__ == "__main__":

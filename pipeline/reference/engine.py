@@ -17,6 +17,7 @@ later requests with the prefix.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import EngineLimits
+from pipeline.reference import compiled
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
 from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -84,6 +86,9 @@ class EngineConfig(EngineLimits):
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
+    # float32 int8_sq engines: the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md
+    # "Decode step"); other engines ignore it. On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
+    compiled_layers: bool = field(default_factory=lambda: os.environ.get(compiled.ENV, "1") != "0")
 
     @classmethod
     def from_engine_config(cls, config: dict, **overrides) -> "EngineConfig":
@@ -160,6 +165,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.proposer = proposer
         model.batch_invariant = self.config.batch_invariant
+        if self.config.compiled_layers and model.compiled_layers is None:
+            model.compiled_layers = compiled.build(model)
         if self.config.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")

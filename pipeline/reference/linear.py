@@ -7,7 +7,8 @@ is bit-for-bit independent of the other rows (`batch_invariant`): the model then
 tokens in one call instead of row by row, and speculative output still equals plain output.
 
 - DenseLinear: F.linear on the compute dtype (fp32 wide matrices in the transposed layout, see
-  `wide_layout`). Not batch-invariant: MKL's fp32 GEMM rounds differently for different row counts.
+  `wide_layout`); float32 calls of 2-16 rows on oneDNN's prepacked GEMM. Not batch-invariant:
+  MKL's and oneDNN's fp32 GEMMs round differently for different row counts.
 - Int8WeightOnly (W8A16, int8_wo): int8 per-channel weights, 16-bit activations as TensorRT-LLM's
   W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
   it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 INT8_MAX = 127.0
 GRID_STEP, GRID_ZERO_POINT = 2 / 255, 127  # Int8PerToken's uint8 grid over [-1, 1]
 _fixed_grid_linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+# float32 DenseLinear: calls of ONEDNN_ROWS rows (verifies, batched decode steps) run oneDNN's GEMM on weights
+# packed for ONEDNN_ROW_HINT rows; one row and prefill-sized calls stay on MKL (closest to transformers' logits)
+ONEDNN_ROWS, ONEDNN_ROW_HINT = range(2, 17), 6
 
 
 def wide_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -43,15 +47,27 @@ def wide_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 class DenseLinear:
-    """x @ weight.T (+ bias) on the compute dtype."""
+    """x @ weight.T (+ bias) on the compute dtype; float32 calls of several rows on oneDNN's prepacked GEMM.
+
+    One row (a decode step, and every row of exact mode's row-by-row calls) runs `F.linear` (MKL) on
+    the wide layout; float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
+    oneDNN's GEMM on weights packed once for ONEDNN_ROW_HINT rows: 2-2.7x faster than MKL for 4-16
+    rows on SmolLM2's shapes, but slower for one row (`make bench-kernels`, docs/engine.md). Prefill
+    stays on MKL: oneDNN's sums drift up to 3e-4 from transformers' logits over SmolLM2's 30 layers
+    (MKL's stay within the 1e-4 tests/test_model.py asks).
+    """
 
     batch_invariant = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = wide_layout(weight), bias  # [out, in]
+        fp32 = weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROW_HINT) if fp32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None or x.shape[0] not in ONEDNN_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
@@ -117,9 +133,13 @@ class Int8PerToken:
         xf = x.float()
         if self.inv_smoother is not None:
             xf = xf * self.inv_smoother
-        row_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [T, 1]
-        y = (_fixed_grid_linear(xf / row_scale, GRID_STEP, GRID_ZERO_POINT, self.packed) * row_scale).to(x.dtype)
+        x_unit, row_scale = scale_rows(xf)
+        y = (self.grid_gemm(x_unit) * row_scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def grid_gemm(self, x_unit: torch.Tensor) -> torch.Tensor:
+        """fbgemm's GEMM [T, out] float32 of rows already divided by their row scale (`scale_rows`), unscaled."""
+        return _fixed_grid_linear(x_unit, GRID_STEP, GRID_ZERO_POINT, self.packed)
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +165,12 @@ class Float16Weights:
     def nbytes(self) -> int:
         """Bytes one call reads."""
         return self.weight_nbytes + tensor_bytes([self.bias])
+
+
+def scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] float32 divided by each row's max |x| (values in [-1, 1]), and that row scale [T, 1]."""
+    row_scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    return x / row_scale, row_scale
 
 
 def tensor_bytes(tensors: list[torch.Tensor | None]) -> int:

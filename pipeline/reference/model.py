@@ -130,6 +130,7 @@ class LlamaModel(torch.nn.Module):
         self.dtype = DTYPES[config["dtype"]]
         self.batch_invariant = batch_invariant
         self.decode_threads: int | None = 1  # None: small forwards keep torch's thread count too
+        self.compiled_layers = None  # compiled.CompiledLayers: the layers with the ops between GEMMs fused
         self.num_layers = config["num_hidden_layers"]
         self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_size, self.hidden_size = config["head_size"], config["hidden_size"]
@@ -269,11 +270,24 @@ class LlamaModel(torch.nn.Module):
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
         x = self.embed.index_select(0, tokens) if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
         if capture_layers is not None and (list(capture_layers) != sorted(set(capture_layers))
                                            or not all(0 <= li < self.num_layers for li in capture_layers)):
             raise ValueError(f"capture_layers {capture_layers} must be distinct, ascending layer ids below {self.num_layers}")
+        if self.compiled_layers is not None and first_layer_input is None:
+            hidden, captured = self.compiled_layers(x, cos, sin, kv, plan, capture_layers)
+        else:
+            hidden, captured = self._eager_layers(x, cos, sin, kv, plan, capture_layers, first_layer_input)
+        rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
+        logits = self._linear(rows, self.lm_head_linear).float()  # [R, vocab]
+        if not return_hidden:
+            return ForwardOutput(logits=logits, hidden_states=None)
+        return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
+
+    def _eager_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, plan: "_AttentionPlan",
+                      capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None):
+        # the decoder layers and the final norm op by op: (final-norm output [T, hidden], captured layer outputs)
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
         captured = []
         for li, layer in enumerate(self.layers):
             if li == 0 and first_layer_input is not None:
@@ -291,12 +305,7 @@ class LlamaModel(torch.nn.Module):
             x = x + self._linear(F.silu(gate) * up, layer["down"])
             if capture_layers is not None and li in capture_layers:
                 captured.append(x)
-        hidden = self.rms_norm(x, self.final_norm) if self.final_norm is not None else x  # [T, hidden]
-        rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
-        logits = self._linear(rows, self.lm_head_linear).float()  # [R, vocab]
-        if not return_hidden:
-            return ForwardOutput(logits=logits, hidden_states=None)
-        return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
+        return (self.rms_norm(x, self.final_norm) if self.final_norm is not None else x), captured
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
