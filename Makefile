@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SPEC ?= examples/default.yaml
 ARGS ?=
+# Huge-page malloc, as the server's model processes get it (pipeline/server.py server_env), so in-process
+# benchmarks run the engine the way Triton does.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: trained-pair bench-kernels bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 

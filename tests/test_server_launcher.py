@@ -73,3 +73,46 @@ def test_busy_port_is_refused(tmp_path):
 def test_missing_repository_is_refused(tmp_path):
     with pytest.raises(ServerError, match="make repo"):
         TritonServer(tmp_path / "nope").start()
+
+
+ENV_MODEL = """import os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        weights = np.ones(64 << 20, dtype=np.uint8)  # a 64 MB heap allocation, touched
+        huge = [line for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")][0]
+        answer = f"{os.environ.get('GLIBC_TUNABLES')}|{os.environ.get('OMP_WAIT_POLICY')}|{huge.split()[1]}|{weights.sum()}"
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", np.array([answer.encode()], dtype=object))])
+                for r in requests]
+"""
+
+
+def thp_mode() -> str:
+    """The bracketed choice of /sys/kernel/mm/transparent_hugepage/enabled ("never" if absent)."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else "[never]"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def model_process_environment(tmp_path: Path) -> list[str]:
+    """GLIBC_TUNABLES, OMP_WAIT_POLICY, kB on huge pages, bytes summed: as a python model on a fresh server sees them."""
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(make_repo(tmp_path / "repo", ENV_MODEL), http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+        x = httpclient.InferInput("x", [1], "BYTES")
+        x.set_data_from_numpy(np.array([b"?"], dtype=object))
+        return httpclient.InferenceServerClient(server.http_url).infer("echo", [x]).as_numpy("y")[0].decode().split("|")
+
+
+def test_model_processes_get_passive_openmp_and_huge_page_malloc(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # the server's default, not the caller's (make exports it)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    tunables, omp, huge_kb, total = model_process_environment(tmp_path)
+    assert (tunables, omp, int(total)) == ("glibc.malloc.hugetlb=1", "PASSIVE", 64 << 20)
+    if thp_mode() in ("madvise", "always"):  # the kernel backs the model's heap with 2 MB pages
+        assert int(huge_kb) >= 32 << 10, f"only {huge_kb} kB of the model process's memory is on huge pages"
+
+
+def test_a_callers_malloc_tunables_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert model_process_environment(tmp_path)[0] == "glibc.malloc.hugetlb=0"

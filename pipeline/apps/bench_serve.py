@@ -22,6 +22,7 @@ import numpy as np
 
 from pipeline.modes import traits
 from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
+from pipeline.server import HUGEPAGE_TUNABLES
 
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
 PLAIN_TOKENS = 64
@@ -181,7 +182,9 @@ def run_bench(spec, log=print) -> str:
     med = {name: float(np.median(vals)) for name, vals in samples.items()}
     lines = [BEGIN, "## Serving overhead: Triton vs the engine (`make bench-serve`)", "",
              f"Spec `{spec.name}` ({spec.speculative.mode}, K={k}), reference engines, greedy; medians of {REPEATS} "
-             "repeats, engine and Triton measured alternately in one run (the machine is shared: compare the ratios).", "",
+             "repeats, engine and Triton measured alternately in one run (the machine is shared: compare the ratios); "
+             f"load average {os.getloadavg()[0]:.1f} at the end; benchmark process GLIBC_TUNABLES="
+             f"`{os.environ.get('GLIBC_TUNABLES', '')}` (the server's models get `{HUGEPAGE_TUNABLES}` unless set).", "",
              f"| plain decoding, {PLAIN_TOKENS} tokens per request | engine tok/s | Triton (tensorrt_llm_bls) tok/s | "
              "Triton / engine |", "|---|---|---|---|"]
     for conc in (1, 8):
