@@ -15,6 +15,10 @@ closed loop of C streaming clients over the set's prompts and reports:
   (tokens per verify round = 1 + accepted per round) and acceptance by draft position, both from
   the server's Prometheus counters (spec_decode_*) when the metrics endpoint answers;
 - speedup = output tokens/s over the same prompt set and concurrency with K=0.
+Each (prompt set, concurrency) group's K cells run `repeats` times, the K order rotated every time
+(0,2,5 then 2,5,0 ...), each repeat on the next prompts of the set, so load drift on a shared machine and
+the order of cells hit every K alike; a cell pools its repeats (tokens over summed wall time) and also
+keeps each repeat's output tokens/s and speedup, whose spread shows the noise.
 It writes bench.json, bench.md (tables + the best K per prompt set and concurrency) and plots.
 
 Prompt sets are JSONL files, one request per line: {"prompt": "..."} (sent as is) or
@@ -61,7 +65,8 @@ class BenchConfig:
     prompt_sets: list[str] = field(default_factory=lambda: list(BUILTIN_SETS))
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
     ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS))
-    requests_per_cell: int = 4  # at least `concurrency` requests run per cell
+    requests_per_cell: int = 4  # at least `concurrency` requests per cell and repeat
+    repeats: int = 2  # sweeps of each group's K cells, the K order rotated each time
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     seed: int = 0
@@ -151,9 +156,15 @@ def request_record(done: Completion) -> dict:
             "total_accepted_draft_tokens": done.total_accepted_draft_tokens, "finish_reason": done.finish_reason}
 
 
-def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int,
-                   before: dict | None, after: dict | None) -> dict:
-    """Aggregate one (prompt set, concurrency, K) cell."""
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """How much each spec_decode_* counter grew between two scrapes (None if either failed)."""
+    if before is None or after is None:
+        return None
+    return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+
+
+def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int, delta: dict | None) -> dict:
+    """Aggregate one (prompt set, concurrency, K) cell; `delta`: the server's counters' growth over it."""
     ok = [r for r in records if r["num_output_tokens"] is not None]
     tokens = sum(r["num_output_tokens"] for r in ok)
     drafted = sum(r["total_draft_tokens"] for r in ok)
@@ -173,8 +184,7 @@ def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int
         "rounds": None, "rounds_source": None, "accepted_per_round": None, "mean_accepted_length": None,
         "acceptance_by_position": None, "server_draft_tokens": None, "server_accepted_tokens": None,
     }
-    if before is not None and after is not None:
-        delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    if delta is not None:
         cell["server_draft_tokens"] = int(delta.get("spec_decode_draft_tokens_total", 0))
         cell["server_accepted_tokens"] = int(delta.get("spec_decode_accepted_tokens_total", 0))
         rounds = int(delta.get("spec_decode_rounds_total", 0))
@@ -194,10 +204,10 @@ def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int
 
 
 async def run_cell(client: AsyncTritonClient, requests: list[GenerateRequest], concurrency: int, count: int,
-                   progress: tqdm) -> tuple[list[dict], list[str], float]:
-    """Send `count` requests (cycling through `requests`) from `concurrency` streaming workers."""
+                   progress: tqdm, first: int = 0) -> tuple[list[dict], list[str], float]:
+    """Send `count` requests (cycling through `requests` from index `first`) from `concurrency` streaming workers."""
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(count):
+    for i in range(first, first + count):
         queue.put_nowait(i)
     records, errors = [], []
 
@@ -258,34 +268,54 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
         ks = await supported_ks(client, cfg.ks)
         sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
         counts = {c: max(cfg.requests_per_cell, c) for c in cfg.concurrency}
-        total = len(sets) * len(ks) * sum(counts.values())
-        cells = []
+        total = len(sets) * len(ks) * sum(counts.values()) * cfg.repeats
+        cells, schedule = [], []
         for prompt_set in sets:
             await warm_up(client, prompt_set, template, sampling)
         with tqdm(total=total, desc="bench", unit="req", disable=not show_progress, file=sys.stderr) as progress:
             for prompt_set in sets:
                 for concurrency in cfg.concurrency:
-                    for k in ks:
-                        progress.set_description(f"{prompt_set.name} C={concurrency} K={k}")
-                        requests = prompt_set.requests(template, cfg.max_tokens, k, sampling)
-                        before = scrape_spec_metrics(cfg.metrics_url)
-                        records, errors, wall = await run_cell(client, requests, concurrency, counts[concurrency], progress)
-                        after = scrape_spec_metrics(cfg.metrics_url)
-                        cell = summarize_cell(records, errors, wall, k, before, after)
-                        cells.append({"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k, **cell})
+                    runs: dict[int, list] = {k: [] for k in ks}  # k -> [(records, errors, wall, counter delta)]
+                    for repeat in range(cfg.repeats):
+                        for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:
+                            progress.set_description(f"{prompt_set.name} C={concurrency} K={k} repeat {repeat + 1}")
+                            requests = prompt_set.requests(template, cfg.max_tokens, k, sampling)
+                            before = scrape_spec_metrics(cfg.metrics_url)
+                            records, errors, wall = await run_cell(client, requests, concurrency, counts[concurrency],
+                                                                   progress, first=repeat * counts[concurrency])
+                            runs[k].append((records, errors, wall, counter_delta(before, scrape_spec_metrics(cfg.metrics_url))))
+                            schedule.append({"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k,
+                                             "repeat": repeat})
+                    cells += [{"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k, **pool_repeats(runs[k], k)}
+                              for k in ks]
     finally:
         await client.close()
     add_speedups(cells)
-    return {"config": asdict(cfg), "started": started,
+    return {"config": asdict(cfg), "started": started, "schedule": schedule,
             "cells": cells, "recommendations": recommend(cells)}
 
 
+def pool_repeats(runs: list[tuple[list[dict], list[str], float, dict | None]], k: int) -> dict:
+    """One cell from its repeats: records and errors joined, wall times and server counters summed; each repeat's
+    output tokens/s kept in `repeat_tokens_per_s`."""
+    records = [dict(r, repeat=i) for i, run in enumerate(runs) for r in run[0]]
+    deltas = [run[3] for run in runs]
+    delta = None if None in deltas else {key: sum(d.get(key, 0.0) for d in deltas) for key in set().union(*deltas)}
+    cell = summarize_cell(records, [e for run in runs for e in run[1]], sum(run[2] for run in runs), k, delta)
+    cell["repeat_tokens_per_s"] = [sum(r["num_output_tokens"] or 0 for r in run[0]) / run[2] if run[2] else 0.0
+                                   for run in runs]
+    return cell
+
+
 def add_speedups(cells: list[dict]) -> None:
-    """speedup = output tokens/s over the K=0 cell of the same prompt set and concurrency (None without one)."""
-    base = {(c["prompt_set"], c["concurrency"]): c["output_tokens_per_s"] for c in cells if c["k"] == 0}
+    """speedup = output tokens/s over the K=0 cell of the same prompt set and concurrency (None without one);
+    repeat_speedups: the same per repeat (the repeats of one group ran the same prompts)."""
+    base = {(c["prompt_set"], c["concurrency"]): c for c in cells if c["k"] == 0}
     for c in cells:
         ref = base.get((c["prompt_set"], c["concurrency"]))
-        c["speedup"] = c["output_tokens_per_s"] / ref if ref else None
+        c["speedup"] = c["output_tokens_per_s"] / ref["output_tokens_per_s"] if ref and ref["output_tokens_per_s"] else None
+        c["repeat_speedups"] = ([x / y if y else None for x, y in zip(c.get("repeat_tokens_per_s", []), ref["repeat_tokens_per_s"])]
+                                if ref and "repeat_tokens_per_s" in ref else None)
 
 
 def recommend(cells: list[dict]) -> list[dict]:
@@ -309,12 +339,18 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(values: list[float | None] | None) -> str:
+    """' (1.10/1.21)': each repeat's value, when there is more than one."""
+    return f" ({'/'.join(_fmt(v, '.2f') for v in values)})" if values and len(values) > 1 else ""
+
+
 def render_markdown(report: dict) -> str:
     """The report as markdown: one row per cell, then the recommendations."""
     cfg = report["config"]
     lines = [f"# Serving benchmark ({report['started']})", "",
              f"Server {cfg['url']} ({cfg['protocol']}, model {cfg['model']}), max_tokens {cfg['max_tokens']}, "
-             f"temperature {cfg['temperature']}, at least {cfg['requests_per_cell']} requests per cell, streaming.", "",
+             f"temperature {cfg['temperature']}, at least {cfg['requests_per_cell']} requests per cell and repeat, "
+             f"{cfg.get('repeats', 1)} repeats in rotated K order (speedup: pooled, then each repeat's), streaming.", "",
              "| prompt set | C | K | req/s | out tok/s | speedup | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
              "| ITL p50/p99 ms | acceptance | accepted len | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -322,7 +358,7 @@ def render_markdown(report: dict) -> str:
         t, p, i = c["ttft_ms"], c["tpot_ms"], c["itl_ms"]
         lines.append(
             f"| {c['prompt_set']} | {c['concurrency']} | {c['k']} | {c['requests_per_s']:.2f} "
-            f"| {c['output_tokens_per_s']:.1f} | {_fmt(c['speedup'], '.2f')} "
+            f"| {c['output_tokens_per_s']:.1f} | {_fmt(c['speedup'], '.2f')}{_spread(c.get('repeat_speedups'))} "
             f"| {_fmt(t['p50'], '.0f')}/{_fmt(t['p90'], '.0f')}/{_fmt(t['p99'], '.0f')} "
             f"| {_fmt(p['p50'])}/{_fmt(p['p90'])}/{_fmt(p['p99'])} | {_fmt(i['p50'])}/{_fmt(i['p99'])} "
             f"| {_fmt(c['acceptance_rate'], '.0%')} | {_fmt(c['mean_accepted_length'], '.2f')} | {c['errors']} |")
@@ -442,7 +478,7 @@ def config_from_args(args: argparse.Namespace, url: str, metrics_url: str | None
     return BenchConfig(url=url, protocol=args.protocol, model=args.model,
                        prompt_sets=[s.strip() for s in args.prompts.split(",") if s.strip()],
                        concurrency=args.concurrency or list(FULL_CONCURRENCY if args.full else DEFAULT_CONCURRENCY),
-                       ks=args.k or list(FULL_KS if args.full else DEFAULT_KS), requests_per_cell=args.requests,
+                       ks=args.k or list(FULL_KS if args.full else DEFAULT_KS), requests_per_cell=args.requests, repeats=args.repeats,
                        max_tokens=args.max_tokens, temperature=args.temperature, metrics_url=metrics_url,
                        timeout_s=args.timeout, tokenizer=args.tokenizer)
 

@@ -27,6 +27,16 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive integer")
+    return value
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `bench run` (shared with `python -m pipeline bench SPEC`)."""
     p.add_argument("--prompts", default=",".join(BUILTIN_SETS),
@@ -34,7 +44,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_ints, help=f"default {','.join(map(str, DEFAULT_CONCURRENCY))}")
     p.add_argument("--k", type=_ints, help=f"draft tokens per round to sweep (0 = off); default {','.join(map(str, DEFAULT_KS))}")
     p.add_argument("--full", action="store_true", help="full sweep: concurrency 1,4,8,16 and K 0..8")
-    p.add_argument("--requests", type=int, default=4, help="requests per cell (at least the concurrency)")
+    p.add_argument("--requests", type=_positive, default=4, help="requests per cell and repeat (at least the concurrency)")
+    p.add_argument("--repeats", type=_positive, default=2,
+                   help="sweeps of each prompt set and concurrency's K cells, the K order rotated each time, each "
+                        "repeat on the set's next prompts (default 2: the built-in sets' 8 prompts at 4 requests)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"output tokens per request (default {DEFAULT_MAX_TOKENS}; a prompt set item may set its own)")
     p.add_argument("--temperature", type=float, default=0.0)

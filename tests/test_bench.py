@@ -21,7 +21,7 @@ KS = [0, 2]
 
 @pytest.fixture(scope="module")
 def report(triton_server, tmp_path_factory):
-    """One small sweep: 1 prompt set x C 1,2 x K 0,2, 2 requests per cell (a few seconds)."""
+    """One small sweep: 1 prompt set x C 1,2 x K 0,2, 2 requests per cell and repeat, 2 repeats (a few seconds)."""
     folder = tmp_path_factory.mktemp("bench")
     prompts = folder / "tiny.jsonl"
     prompts.write_text("\n".join(json.dumps(item) for item in (
@@ -30,7 +30,7 @@ def report(triton_server, tmp_path_factory):
         {"messages": [{"role": "user", "content": "hello"}]},
     )) + "\n")
     cfg = BenchConfig(url=triton_server.grpc_url, prompt_sets=[str(prompts)], concurrency=CONCURRENCY, ks=KS,
-                      requests_per_cell=2, max_tokens=MAX_TOKENS, metrics_url=triton_server.metrics_url)
+                      requests_per_cell=2, repeats=2, max_tokens=MAX_TOKENS, metrics_url=triton_server.metrics_url)
     result = asyncio.run(run_bench(cfg, show_progress=False))
     paths = write_report(result, folder / "out")
     return result, paths
@@ -45,17 +45,32 @@ def test_every_cell_ran_and_counts_add_up(report):
     assert [(c["concurrency"], c["k"]) for c in result["cells"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
     for c in result["cells"]:
         assert c["prompt_set"] == "tiny" and c["errors"] == 0
-        assert c["requests"] == len(c["records"]) == max(2, c["concurrency"])
+        assert c["requests"] == len(c["records"]) == 2 * max(2, c["concurrency"])
         counted = [r["num_output_tokens"] for r in c["records"]]
         assert all(0 < n <= MAX_TOKENS for n in counted)
         assert c["output_tokens"] == sum(counted)  # tokens counted = tokens the server says it sent
         assert c["output_tokens_per_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+        # pooled over the repeats: each repeat's rate brackets the pooled one
+        per_repeat = c["repeat_tokens_per_s"]
+        assert len(per_repeat) == 2 and min(per_repeat) <= c["output_tokens_per_s"] * (1 + 1e-9)
+        assert max(per_repeat) >= c["output_tokens_per_s"] * (1 - 1e-9)
         assert c["requests_per_s"] == pytest.approx(c["requests"] / c["wall_s"])
         assert c["responses"] >= c["requests"] and all(r["text_chars"] > 0 for r in c["records"])
         for metric in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
             p = c[metric]
             assert None not in p.values() and 0 < p["p50"] <= p["p90"] <= p["p99"], metric
         assert c["ttft_ms"]["p50"] <= c["latency_ms"]["p50"]
+
+
+def test_repeats_rotate_the_k_order_and_move_on_through_the_prompts(report):
+    result, _ = report
+    order = [(s["concurrency"], s["k"], s["repeat"]) for s in result["schedule"]]
+    assert order == [(1, 0, 0), (1, 2, 0), (1, 2, 1), (1, 0, 1), (2, 0, 0), (2, 2, 0), (2, 2, 1), (2, 0, 1)]
+    for c in result["cells"]:  # 3 prompts, 2 requests per repeat: prompts 0,1 then 2,0
+        by_repeat = [sorted(r["prompt_index"] for r in c["records"] if r["repeat"] == i) for i in (0, 1)]
+        assert by_repeat == [[0, 1], [0, 2]]
+        ref = cells(result, k=0, concurrency=c["concurrency"])[0]
+        assert c["repeat_speedups"] == pytest.approx([a / b for a, b in zip(c["repeat_tokens_per_s"], ref["repeat_tokens_per_s"])])
 
 
 def test_speculation_off_cells(report):
@@ -85,7 +100,7 @@ def test_speculation_is_lossless_in_the_bench(report):
     result, _ = report
     by_k = {k: {r["prompt_index"]: (r["num_output_tokens"], r["text_chars"]) for c in cells(result, k=k)
                 for r in c["records"]} for k in KS}
-    assert by_k[0] == by_k[2] and len(by_k[0]) == 2
+    assert by_k[0] == by_k[2] and len(by_k[0]) == 3
 
 
 def test_http_protocol_gives_the_same_tokens(report, triton_server):
