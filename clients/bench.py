@@ -14,7 +14,9 @@ closed loop of C streaming clients over the set's prompts and reports:
 - acceptance rate (accepted / drafted tokens, from the per-request outputs), mean accepted length
   (tokens per verify round = 1 + accepted per round) and acceptance by draft position, both from
   the server's Prometheus counters (spec_decode_*) when the metrics endpoint answers;
-- speedup = output tokens/s over the same prompt set and concurrency with K=0.
+- speedup = output tokens/s over the same prompt set and concurrency with K=0, and (on reference engines,
+  whose counters say how many target steps ran and how long step() took) its split into tokens per target
+  step, the cost of a target step and the share of wall time inside it.
 Each (prompt set, concurrency) group's K cells run `repeats` times, the K order rotated every time
 (0,2,5 then 2,5,0 ...), each repeat on the next prompts of the set, so load drift on a shared machine and
 the order of cells hit every K alike; a cell pools its repeats (tokens over summed wall time) and also
@@ -51,7 +53,13 @@ from clients.client import AsyncTritonClient, ClientError, Completion, GenerateR
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 PERCENTILES = (50, 90, 99)
-METRIC_RE = re.compile(r'^(spec_decode_\w+?)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$')
+METRIC_RE = re.compile(r'^((?:spec_decode|reference_engine)_\w+?)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$')
+# Counters of a reference engine model (its step count and seconds inside step()), labelled by model: the
+# target's and the draft's, which split a cell's wall time into forwards and everything else.
+ENGINE_STEPS_METRIC = "reference_engine_steps_total"
+ENGINE_STEP_SECONDS_METRIC = "reference_engine_step_seconds_total"
+TARGET_MODEL = "tensorrt_llm"
+DRAFT_MODEL = "tensorrt_llm_draft"
 SPEEDUP_MARGIN = 1.02  # a K must beat K=0 by this factor to be recommended
 
 
@@ -124,8 +132,9 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float |
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
 
 
-def scrape_spec_metrics(url: str | None) -> dict[str, float] | None:
-    """The server's spec_decode_* counters, summed over models, keyed by name (+ '@position')."""
+def scrape_counters(url: str | None) -> dict[str, float] | None:
+    """The server's counters this bench reads: spec_decode_* summed over models, keyed by name (+ '@position');
+    reference_engine_* keyed by name + '@model'. None when the endpoint does not answer."""
     if url is None:
         return None
     try:
@@ -138,8 +147,9 @@ def scrape_spec_metrics(url: str | None) -> dict[str, float] | None:
         if not match:
             continue
         name, labels, value = match.groups()
-        position = re.search(r'position="(\d+)"', labels or "")
-        key = f"{name}@{position.group(1)}" if position else name
+        label = r'model="([^"]*)"' if name.startswith("reference_engine_") else r'position="(\d+)"'
+        qualifier = re.search(label, labels or "")
+        key = f"{name}@{qualifier.group(1)}" if qualifier else name
         counters[key] = counters.get(key, 0.0) + float(value)
     return counters
 
@@ -157,7 +167,7 @@ def request_record(done: Completion) -> dict:
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict | None:
-    """How much each spec_decode_* counter grew between two scrapes (None if either failed)."""
+    """How much each counter grew between two scrapes (None if either failed)."""
     if before is None or after is None:
         return None
     return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
@@ -183,6 +193,8 @@ def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int
         "acceptance_rate": accepted / drafted if drafted else None,
         "rounds": None, "rounds_source": None, "accepted_per_round": None, "mean_accepted_length": None,
         "acceptance_by_position": None, "server_draft_tokens": None, "server_accepted_tokens": None,
+        "target_steps": None, "tokens_per_target_step": None, "target_step_ms": None, "target_busy_share": None,
+        "draft_busy_share": None,
     }
     if delta is not None:
         cell["server_draft_tokens"] = int(delta.get("spec_decode_draft_tokens_total", 0))
@@ -192,6 +204,7 @@ def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int
             cell["rounds"], cell["rounds_source"] = rounds, "server"
             cell["acceptance_by_position"] = [delta.get(f"spec_decode_accepted_tokens_per_position_total@{p}", 0.0)
                                               / rounds for p in range(1, k + 1)]
+        add_time_split(cell, delta)
     if cell["rounds"] is None and drafted and k:
         # Without the server's counters: every round but a request's last drafts K tokens.
         cell["rounds"] = sum(math.ceil(r["total_draft_tokens"] / k) for r in ok)
@@ -201,6 +214,33 @@ def summarize_cell(records: list[dict], errors: list[str], wall_s: float, k: int
         cell["mean_accepted_length"] = 1.0 + cell["accepted_per_round"]
     cell["records"] = records
     return cell
+
+
+def add_time_split(cell: dict, delta: dict) -> None:
+    """Where a cell's wall time went, from the reference engines' counters (absent on other backends):
+    output tokens/s = tokens per target step x steps per second of target step() x target step() share of wall,
+    so a speedup over K=0 is the product of the three ratios (see speedup_factors)."""
+    steps = delta.get(f"{ENGINE_STEPS_METRIC}@{TARGET_MODEL}")
+    busy = delta.get(f"{ENGINE_STEP_SECONDS_METRIC}@{TARGET_MODEL}")
+    if not steps or not busy or not cell["wall_s"]:
+        return
+    cell["target_steps"] = int(steps)
+    cell["tokens_per_target_step"] = cell["output_tokens"] / steps
+    cell["target_step_ms"] = 1000.0 * busy / steps
+    cell["target_busy_share"] = busy / cell["wall_s"]
+    cell["draft_busy_share"] = delta.get(f"{ENGINE_STEP_SECONDS_METRIC}@{DRAFT_MODEL}", 0.0) / cell["wall_s"]
+
+
+def speedup_factors(cell: dict, base: dict) -> dict | None:
+    """A cell's speedup over its K=0 cell split into three ratios whose product it is (None without the split):
+    forwards: tokens per target step (acceptance and prompt-lookup hits); step_cost: how much cheaper a target
+    step is (below 1: verify rows cost); busy_share: how much more of the wall the target's step() fills (below 1:
+    draft forwards, orchestration and transport take the rest)."""
+    if cell.get("tokens_per_target_step") is None or base.get("tokens_per_target_step") is None:
+        return None
+    return {"forwards": cell["tokens_per_target_step"] / base["tokens_per_target_step"],
+            "step_cost": base["target_step_ms"] / cell["target_step_ms"],
+            "busy_share": cell["target_busy_share"] / base["target_busy_share"]}
 
 
 async def run_cell(client: AsyncTritonClient, requests: list[GenerateRequest], concurrency: int, count: int,
@@ -280,10 +320,10 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
                         for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:
                             progress.set_description(f"{prompt_set.name} C={concurrency} K={k} repeat {repeat + 1}")
                             requests = prompt_set.requests(template, cfg.max_tokens, k, sampling)
-                            before = scrape_spec_metrics(cfg.metrics_url)
+                            before = scrape_counters(cfg.metrics_url)
                             records, errors, wall = await run_cell(client, requests, concurrency, counts[concurrency],
                                                                    progress, first=repeat * counts[concurrency])
-                            runs[k].append((records, errors, wall, counter_delta(before, scrape_spec_metrics(cfg.metrics_url))))
+                            runs[k].append((records, errors, wall, counter_delta(before, scrape_counters(cfg.metrics_url))))
                             schedule.append({"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k,
                                              "repeat": repeat})
                     cells += [{"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k, **pool_repeats(runs[k], k)}
@@ -309,11 +349,13 @@ def pool_repeats(runs: list[tuple[list[dict], list[str], float, dict | None]], k
 
 def add_speedups(cells: list[dict]) -> None:
     """speedup = output tokens/s over the K=0 cell of the same prompt set and concurrency (None without one);
-    repeat_speedups: the same per repeat (the repeats of one group ran the same prompts)."""
+    speedup_factors: its split (speedup_factors()); repeat_speedups: the same per repeat (the repeats of one
+    group ran the same prompts)."""
     base = {(c["prompt_set"], c["concurrency"]): c for c in cells if c["k"] == 0}
     for c in cells:
         ref = base.get((c["prompt_set"], c["concurrency"]))
         c["speedup"] = c["output_tokens_per_s"] / ref["output_tokens_per_s"] if ref and ref["output_tokens_per_s"] else None
+        c["speedup_factors"] = speedup_factors(c, ref) if ref else None
         c["repeat_speedups"] = ([x / y if y else None for x, y in zip(c.get("repeat_tokens_per_s", []), ref["repeat_tokens_per_s"])]
                                 if ref and "repeat_tokens_per_s" in ref else None)
 
@@ -362,6 +404,22 @@ def render_markdown(report: dict) -> str:
             f"| {_fmt(t['p50'], '.0f')}/{_fmt(t['p90'], '.0f')}/{_fmt(t['p99'], '.0f')} "
             f"| {_fmt(p['p50'])}/{_fmt(p['p90'])}/{_fmt(p['p99'])} | {_fmt(i['p50'])}/{_fmt(i['p99'])} "
             f"| {_fmt(c['acceptance_rate'], '.0%')} | {_fmt(c['mean_accepted_length'], '.2f')} | {c['errors']} |")
+    split = [c for c in report["cells"] if c.get("target_steps")]
+    if split:
+        lines += ["", "## Where the time went (reference engines' counters)", "",
+                  "| prompt set | C | K | target steps | tokens per step | ms per step | target step() share of wall "
+                  "| draft step() share | speedup = forwards x step cost x busy share |", "|---|---|---|---|---|---|---|---|---|"]
+        for c in split:
+            f = c.get("speedup_factors")
+            factors = (f"{_fmt(c['speedup'], '.2f')} = {f['forwards']:.2f} x {f['step_cost']:.2f} x {f['busy_share']:.2f}"
+                       if f and c["k"] else "-")
+            lines.append(f"| {c['prompt_set']} | {c['concurrency']} | {c['k']} | {c['target_steps']} "
+                         f"| {c['tokens_per_target_step']:.2f} | {c['target_step_ms']:.1f} | {c['target_busy_share']:.0%} "
+                         f"| {c['draft_busy_share']:.0%} | {factors} |")
+        lines += ["", "forwards: tokens per target step over K=0's (what acceptance and lookup hits bring); step cost: "
+                  "K=0's ms per target step over this cell's (below 1: the verify rows' cost); busy share: this cell's "
+                  "share of wall time inside the target's step() over K=0's (below 1: draft forwards, orchestration "
+                  "and transport)."]
     lines += ["", "## Recommended K", "", "| prompt set | C | K | speedup | acceptance | why |", "|---|---|---|---|---|---|"]
     for r in report["recommendations"]:
         lines.append(f"| {r['prompt_set']} | {r['concurrency']} | {r['k']} | {_fmt(r['speedup'], '.2f')} "

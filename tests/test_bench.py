@@ -96,6 +96,32 @@ def test_acceptance_matches_the_server_counters(report):
             c["output_tokens_per_s"] / cells(result, k=0, concurrency=c["concurrency"])[0]["output_tokens_per_s"])
 
 
+def test_speedup_splits_into_forwards_step_cost_and_busy_share(report):
+    """The reference engines' counters split each cell's wall time: the target's steps and step() seconds, the
+    draft's step() seconds; the three factors multiply back to the measured speedup."""
+    result, paths = report
+    for c in result["cells"]:
+        assert c["target_steps"] > 0
+        assert c["tokens_per_target_step"] == pytest.approx(c["output_tokens"] / c["target_steps"])
+        assert c["target_step_ms"] > 0 and 0 < c["target_busy_share"] <= 1
+        if c["concurrency"] == 1:  # one request at a time: the draft and the target never run together
+            assert c["target_busy_share"] + c["draft_busy_share"] <= 1
+            if c["k"] == 0:  # a step decodes one token (the prefill step too): never more tokens than steps
+                assert c["tokens_per_target_step"] <= 1
+        if c["k"] == 0:
+            assert c["draft_busy_share"] == 0  # speculation off: the BLS never calls the draft
+        else:
+            assert c["draft_busy_share"] > 0
+        f = c["speedup_factors"]
+        assert f["forwards"] * f["step_cost"] * f["busy_share"] == pytest.approx(c["speedup"])
+        if c["k"] and c["total_accepted_draft_tokens"] > 0 and c["concurrency"] == 1:
+            assert f["forwards"] > 1  # accepted drafts: fewer target steps for the same tokens
+    split = (paths[0].parent / "bench.md").read_text().split("## Where the time went")[1]
+    for c in cells(result, k=2):
+        f = c["speedup_factors"]
+        assert f"{c['speedup']:.2f} = {f['forwards']:.2f} x {f['step_cost']:.2f} x {f['busy_share']:.2f}" in split
+
+
 def test_speculation_is_lossless_in_the_bench(report):
     result, _ = report
     by_k = {k: {r["prompt_index"]: (r["num_output_tokens"], r["text_chars"]) for c in cells(result, k=k)
@@ -125,7 +151,8 @@ def test_report_files_and_recommendations(report):
     assert all(p.stat().st_size > 0 for p in paths)
     assert json.loads(paths[0].parent.joinpath("bench.json").read_text())["cells"] == json.loads(json.dumps(result["cells"]))
     markdown = paths[0].parent.joinpath("bench.md").read_text()
-    assert markdown.count("\n| tiny |") == len(result["cells"]) + len(CONCURRENCY)
+    # a row per cell in the results and in the time split, one per concurrency in the recommendations
+    assert markdown.count("\n| tiny |") == 2 * len(result["cells"]) + len(CONCURRENCY)
     recs = result["recommendations"]
     assert [(r["prompt_set"], r["concurrency"]) for r in recs] == [("tiny", 1), ("tiny", 2)]
     for r in recs:

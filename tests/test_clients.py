@@ -234,9 +234,13 @@ def test_clients_speak_the_servers_names():
     metrics, models = set(), set()
     for path in (ROOT / "clients").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("spec_decode_"):
-                if re.fullmatch(r"spec_decode_[a-z_]+", node.value):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(("spec_decode_",
+                                                                                                   "reference_engine_")):
+                if re.fullmatch(r"(spec_decode|reference_engine)_[a-z_]+", node.value):
                     metrics.add(node.value)
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
+                    isinstance(t, ast.Name) and t.id.endswith("_MODEL") for t in node.targets):
+                models.add(node.value.value)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "model_config":
                 models.add(node.args[0].value)
             elif isinstance(node, ast.keyword) and node.arg == "model" and isinstance(node.value, ast.Constant):
@@ -245,5 +249,6 @@ def test_clients_speak_the_servers_names():
                 params = node.args + node.kwonlyargs
                 defaults = [None] * (len(node.args) - len(node.defaults)) + list(node.defaults) + list(node.kw_defaults)
                 models.update(d.value for a, d in zip(params, defaults) if a.arg == "model" and isinstance(d, ast.Constant))
-    assert metrics and metrics <= set(names.SPEC_DECODE_METRICS)
+    assert metrics and metrics <= {*names.SPEC_DECODE_METRICS, names.ENGINE_STEPS_METRIC, names.ENGINE_STEP_SECONDS_METRIC}
+    assert names.ENGINE_STEPS_METRIC in metrics and names.TARGET_MODEL in models
     assert {names.ENSEMBLE_MODEL, names.PREPROCESSING_MODEL, names.BLS_MODEL} <= models <= set(names.MODEL_NAMES)
