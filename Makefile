@@ -8,7 +8,7 @@ ARGS ?=
 # benchmarks run the engine the way Triton does.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: trained-pair bench-kernels bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
+.PHONY: trained-pair bench-kernels bench-lookup bench-engine repo serve demo bench openai venv test test-all models engines plan inspect clean deploy-render deploy-check
 
 venv: $(VENV)/.installed
 
@@ -45,6 +45,12 @@ bench-kernels: venv models
 	$(PY) -m pipeline engines examples/default.yaml >/dev/null
 	$(PY) -m pipeline engines examples/default.yaml --set name=float32 --set models.target.qformat=none >/dev/null
 	$(PY) -m pipeline.apps.bench_kernels --engines out/float32/engines/target out/default/engines/target $(ARGS)
+
+# What prompt lookup can bring on the built-in prompt sets (tokens per target forward, counted on the default
+# engine's greedy answers: the first factor of `make bench`'s speedup split); writes out/bench-lookup/lookup.{md,json,png}.
+bench-lookup: venv models
+	$(PY) -m pipeline engines examples/default.yaml >/dev/null
+	$(PY) -m pipeline.apps.lookup_ceiling --engine out/default/engines/target $(ARGS)
 
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.

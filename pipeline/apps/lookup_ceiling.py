@@ -1,0 +1,235 @@
+"""`make bench-lookup`: what prompt lookup can bring on the served prompt sets, counted rather than timed.
+
+`make bench` measures a speedup and splits it: tokens per target step x step cost x busy share (clients/bench.py).
+This tool bounds the first factor. It takes the target engine's greedy answers to the built-in prompt sets
+(the answers serving gives, as `make bench` sends them), then replays lookup policies over them without
+running the model again: every round looks up the context's last n-gram (pipeline.sequences.ngram_lookup,
+what the BLS calls), the answer says how many drafted tokens the target accepts, and each target forward is
+counted. tokens per forward is what a policy's speedup would be if a verify forward cost no more than a plain
+step and calls cost nothing; with the measured cost c of a draft token (pipeline.reference.step_cost) the
+estimate is tokens / (forwards + c x drafted tokens).
+
+Policies:
+- served: the BLS's rounds (K draft tokens; a lookup miss decodes K + 1 tokens plainly; a request whose
+  acceptance is below the switch-off bar after 8 rounds decodes plainly to the end);
+- every token: the lookup runs again after every plain token (a miss costs one forward);
+- every token, K=16, no switch-off: prompt lookup's ceiling on these answers (longer drafts, never giving up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.sequences import ngram_lookup
+
+ROUNDS_BEFORE_SWITCH_OFF = 8  # as the BLS (pipeline.serving.bls.ROUNDS_BEFORE_ACCEPTANCE_CHECK)
+CEILING_K = 16
+
+
+@dataclass(frozen=True)
+class LookupPolicy:
+    """How a request drafts: K tokens per round, plain tokens per lookup miss (None: K + 1, as the BLS), and the
+    acceptance below which it stops speculating after 8 rounds (0: never)."""
+
+    name: str
+    k: int
+    miss_tokens: int | None
+    switch_off_below: float
+    min_ngram: int = 1
+    max_ngram: int = 3
+
+
+@dataclass
+class Replay:
+    """Counts of one policy over answers: tokens, target forwards, drafted and accepted tokens."""
+
+    tokens: int = 0
+    forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, other: "Replay") -> None:
+        """Accumulate another replay's counts."""
+        self.tokens += other.tokens
+        self.forwards += other.forwards
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+    def tokens_per_forward(self) -> float:
+        """The speedup over plain decoding if verification and calls were free."""
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    def estimated_speedup(self, draft_token_cost: float) -> float:
+        """tokens / (forwards + c x drafted): plain decoding costs one forward per token, a verify forward 1 + c x its drafts."""
+        cost = self.forwards + draft_token_cost * self.drafted
+        return self.tokens / cost if cost else 0.0
+
+
+def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay:
+    """Count the target forwards `policy` needs to produce `answer` (greedy, so the target accepts a drafted token
+    exactly when it equals the answer's next token). The prompt's prefill forward is not counted (plain decoding
+    pays it too)."""
+    out = Replay(tokens=len(answer))
+    done, rounds, speculate = 0, 0, True
+    while done < len(answer):
+        remaining = len(answer) - done
+        if not speculate or remaining == 1:
+            out.forwards += remaining
+            break
+        k = min(policy.k, remaining - 1)
+        draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram)
+        rounds += 1
+        if not draft:
+            plain = min(k + 1 if policy.miss_tokens is None else policy.miss_tokens, remaining)
+            out.forwards += plain
+            done += plain
+        else:
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == answer[done + accepted]:
+                accepted += 1
+            out.forwards += 1
+            out.drafted += len(draft)
+            out.accepted += accepted
+            done += accepted + 1
+        if (rounds >= ROUNDS_BEFORE_SWITCH_OFF and out.drafted
+                and out.accepted / out.drafted < policy.switch_off_below):
+            speculate = False
+    return out
+
+
+def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int) -> list[LookupPolicy]:
+    """The served policy and the two that bound it (module docstring)."""
+    return [LookupPolicy(f"served: K={k}, a miss decodes K+1", k, None, switch_off_below, min_ngram, max_ngram),
+            LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, min_ngram, max_ngram),
+            LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, min_ngram,
+                         max_ngram)]
+
+
+def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_tokens: int) -> dict[str, list[dict]]:
+    """Each prompt set's prompts (as serving tokenizes them) and the engine's greedy answers, one request at a time."""
+    from clients.bench import PromptSet
+    from clients.chat import ChatTemplate
+    from pipeline.reference.engine import Request
+    from pipeline.reference.sampling import SamplingParams
+    from pipeline.serving.reference_adapter import load_serving_engine
+    from pipeline.serving.text import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    template = ChatTemplate.from_tokenizer_dir(tokenizer_dir)
+    engine = load_serving_engine(engine_dir)
+    answers: dict[str, list[dict]] = {}
+    for prompt_set in map(PromptSet.load, sets):
+        name = prompt_set.name
+        answers[name] = []
+        for number, item in enumerate(prompt_set.items):
+            text = template.render(item["messages"]) if "messages" in item else item["prompt"]
+            prompt = tokenizer.encode(text, add_special_tokens=False)
+            engine.add_request(Request(f"{name}-{number}", prompt, item.get("max_tokens", max_tokens),
+                                       sampling=SamplingParams(end_id=tokenizer.eos_token_id)))
+            answer: list[int] = []
+            while engine.has_unfinished():
+                for output in engine.step():
+                    answer += output.new_token_ids
+            answers[name].append({"prompt": prompt, "answer": answer})
+        print(f"  {name}: {len(answers[name])} greedy answers, {sum(len(a['answer']) for a in answers[name])} tokens",
+              flush=True)
+    return answers
+
+
+def evaluate(answers: dict[str, list[dict]], rules: list[LookupPolicy]) -> dict[str, dict[str, Replay]]:
+    """policy name -> prompt set -> the replay's counts over the set's answers."""
+    result: dict[str, dict[str, Replay]] = {}
+    for policy in rules:
+        result[policy.name] = {}
+        for name, items in answers.items():
+            total = Replay()
+            for item in items:
+                total.add(replay(item["prompt"], item["answer"], policy))
+            result[policy.name][name] = total
+    return result
+
+
+def render_markdown(result: dict[str, dict[str, Replay]], draft_token_cost: float, header: str) -> str:
+    """One row per policy: per prompt set tokens per forward, acceptance and the estimate with cost c."""
+    sets = list(next(iter(result.values())))
+    lines = [header, "",
+             "| policy | " + " | ".join(f"{s}: tokens/forward, acceptance, est. speedup" for s in sets) + " |",
+             "|---|" + "---|" * len(sets)]
+    for policy, by_set in result.items():
+        cells = [f"{r.tokens_per_forward():.2f}, {r.accepted / r.drafted if r.drafted else 0:.0%}, "
+                 f"{r.estimated_speedup(draft_token_cost):.2f}x" for r in by_set.values()]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    lines += ["", f"tokens/forward: the speedup if a verify forward cost one plain step (free verification and calls); "
+              f"est. speedup: tokens / (forwards + c x drafted tokens) with c = {draft_token_cost:.2f} plain steps per "
+              f"draft token, measured on the engine in this run.", ""]
+    return "\n".join(lines)
+
+
+def write_plot(result: dict[str, dict[str, Replay]], draft_token_cost: float, path: Path) -> Path:
+    """Bars per prompt set: each policy's tokens per forward, and its estimated speedup as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(next(iter(result.values())))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(result)
+    for i, (policy, by_set) in enumerate(result.items()):
+        xs = [j + i * width for j in range(len(sets))]
+        ax.bar(xs, [by_set[s].tokens_per_forward() for s in sets], width, label=policy)
+        ax.plot(xs, [by_set[s].estimated_speedup(draft_token_cost) for s in sets], "k_", markersize=14)
+    ax.axhline(1.5, color="grey", linestyle=":", linewidth=1)
+    ax.set_xticks([j + width * (len(result) - 1) / 2 for j in range(len(sets))], sets)
+    ax.set_ylabel("tokens per target forward (bars); est. speedup (marks)")
+    ax.set_title(f"Prompt lookup on greedy answers (c = {draft_token_cost:.2f})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Greedy answers, the measured draft-token cost, the replays; writes lookup.md, lookup.json and lookup.png."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", type=Path, default=Path("out/default/engines/target"), help="target engine directory")
+    p.add_argument("--tokenizer", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
+    p.add_argument("--prompts", default="chat,code,summarize", help="built-in prompt sets or JSONL files")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=5, help="draft tokens per round of the served policy")
+    p.add_argument("--ngram", default="1,3", help="min_ngram,max_ngram of the lookup")
+    p.add_argument("--min-acceptance-rate", type=float, default=0.1,
+                   help="the spec's switch-off floor (the bar is the larger of it and the measured cost)")
+    p.add_argument("--out", type=Path, default=Path("out/bench-lookup"))
+    args = p.parse_args(argv)
+    try:
+        min_ngram, max_ngram = (int(x) for x in args.ngram.split(","))
+    except ValueError:
+        p.error(f"--ngram {args.ngram!r}: give min_ngram,max_ngram, e.g. --ngram 1,3")
+    if not args.engine.is_dir():
+        p.error(f"--engine {args.engine}: no such engine directory (build it: make engines)")
+    from pipeline.reference.step_cost import engine_draft_token_cost
+
+    print(f"greedy answers of {args.engine} (max {args.max_tokens} tokens) ...", flush=True)
+    answers = greedy_answers(args.engine, args.tokenizer, args.prompts.split(","), args.max_tokens)
+    cost = engine_draft_token_cost(args.engine, None, args.k)
+    print(f"measured cost of a draft token: {cost:.2f} plain steps (K={args.k}, batch 1)", flush=True)
+    result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram))
+    markdown = render_markdown(result, cost, f"# Prompt lookup on {args.engine}'s greedy answers (ngram {min_ngram}-{max_ngram})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lookup.md").write_text(markdown)
+    (args.out / "lookup.json").write_text(json.dumps(
+        {"draft_token_cost": cost, "policies": {policy: {s: vars(r) for s, r in by_set.items()}
+                                                 for policy, by_set in result.items()}}, indent=1))
+    write_plot(result, cost, args.out / "lookup.png")
+    print(markdown)
+    print(f"wrote {args.out}/lookup.md, lookup.json, lookup.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""`make bench-lookup`: the replay counts target forwards as the BLS's rounds would, and the tool runs end to end."""
+
+import json
+
+import pytest
+
+from pipeline.apps.lookup_ceiling import LookupPolicy, Replay, main, policies, replay
+
+SERVED = LookupPolicy("served", k=5, miss_tokens=None, switch_off_below=0.0)
+EVERY_TOKEN = LookupPolicy("every token", k=5, miss_tokens=1, switch_off_below=0.0)
+
+
+def test_an_answer_that_copies_the_prompt_takes_one_forward_per_round():
+    # context ...9, 1: the suffix "1" last occurred at the start, so the lookup proposes 2 3 4 5 6 (K=5), all
+    # accepted plus the target's own 7; then K = remaining - 1 = 1: "6 7" matches, 8 is drafted and accepted, 9 is the
+    # target's token.
+    prompt, answer = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1], [2, 3, 4, 5, 6, 7, 8, 9]
+    r = replay(prompt, answer, SERVED)
+    assert (r.tokens, r.forwards, r.drafted, r.accepted) == (8, 2, 6, 6)
+    assert r.tokens_per_forward() == 4.0
+    assert r.estimated_speedup(0.5) == pytest.approx(8 / (2 + 0.5 * 6))
+
+
+def test_a_lookup_miss_decodes_k_plus_1_tokens_served_and_one_token_every_token():
+    prompt, answer = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # nothing ever repeats
+    for policy in (SERVED, EVERY_TOKEN):
+        r = replay(prompt, answer, policy)
+        assert (r.forwards, r.drafted, r.accepted) == (10, 0, 0)  # plain decoding: one forward per token
+    # the answer repeats itself after a miss: the served policy decodes 6 tokens plainly before it looks again,
+    # every token looks up after each token and catches the repeat at once
+    prompt, answer = [1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9]
+    served, every = replay(prompt, answer, SERVED), replay(prompt, answer, EVERY_TOKEN)
+    assert every.forwards < served.forwards <= len(answer)
+    assert every.accepted > served.accepted > 0
+
+
+def test_the_switch_off_stops_drafting_after_eight_rounds():
+    # groups 1 2 <new>: after <new> the lookup misses and 1 is decoded; after 1 it proposes what followed the last 1
+    # (2 then an older <new>): 2 is accepted, the rest rejected. Misses and drafts are rounds, as in the BLS.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    answer = [x for i in range(12) for x in (1, 2, 100 + i)]
+    never = replay(prompt, answer, LookupPolicy("never", 5, 1, switch_off_below=0.0))
+    strict = replay(prompt, answer, LookupPolicy("strict", 5, 1, switch_off_below=1.0))
+    assert 0 < never.accepted < never.drafted  # partial acceptance: below a 100 % bar
+    assert strict.tokens == never.tokens == len(answer)
+    assert 0 < strict.drafted <= 4 * 5 < never.drafted  # 8 rounds: 4 misses and 4 drafts, then plain decoding
+    assert strict.forwards > never.forwards  # giving up on accepted 2s costs forwards
+
+
+def test_the_ceiling_policy_never_switches_off_and_drafts_16():
+    served, every, ceiling = policies(5, 0.3, 1, 3)
+    assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
+    assert served.switch_off_below == every.switch_off_below == 0.3
+    assert Replay().tokens_per_forward() == 0.0
+
+
+def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path):
+    prompts = tmp_path / "copy.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two three four five six one two three four"}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}) + "\n")
+    engine = tiny_spec_engines.spec.out_dir / "engines" / "target"
+    out = tmp_path / "out"
+    assert main(["--engine", str(engine), "--tokenizer", str(tiny_spec_engines.target_dir), "--prompts", str(prompts),
+                 "--max-tokens", "12", "--k", "3", "--out", str(out)]) == 0
+    report = json.loads((out / "lookup.json").read_text())
+    assert 0 <= report["draft_token_cost"] < 5
+    served, every, ceiling = report["policies"].values()
+    for counts in (served["copy"], every["copy"], ceiling["copy"]):
+        assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
+        assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
+    assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers
+    assert "| served: K=3" in (out / "lookup.md").read_text()
+    assert (out / "lookup.png").stat().st_size > 0
+
+
+def test_a_missing_engine_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--engine", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert "--engine" in err and "no such engine directory" in err and "make engines" in err
+
+
+def test_a_malformed_ngram_range_names_the_flag(tiny_spec_engines, capsys):
+    engine = tiny_spec_engines.spec.out_dir / "engines" / "target"
+    with pytest.raises(SystemExit):
+        main(["--engine", str(engine), "--ngram", "3"])
+    assert "--ngram '3': give min_ngram,max_ngram" in capsys.readouterr().err
