@@ -21,7 +21,8 @@ Each (prompt set, concurrency) group's K cells run `repeats` times, the K order 
 (0,2,5 then 2,5,0 ...), each repeat on the next prompts of the set, so load drift on a shared machine and
 the order of cells hit every K alike; a cell pools its repeats (tokens over summed wall time) and also
 keeps each repeat's output tokens/s and speedup, whose spread shows the noise.
-It writes bench.json, bench.md (tables + the best K per prompt set and concurrency) and plots.
+It writes bench.json, bench.md (tables + the best K per prompt set and concurrency) and plots (speedup_split.png:
+the three factors of each speedup).
 
 Prompt sets are JSONL files, one request per line: {"prompt": "..."} (sent as is) or
 {"messages": [{"role": "user", "content": "..."}]} (chat template applied), optionally
@@ -431,7 +432,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
-    """speedup_vs_k.png, acceptance_by_position.png, latency_vs_concurrency.png."""
+    """speedup_vs_k.png, acceptance_by_position.png, latency_vs_concurrency.png, and speedup_split.png when the
+    server's engines reported their steps (reference engines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -485,6 +487,22 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         ax.set(title=f"{title} (all prompt sets)", xlabel="concurrency", ylabel="ms", xticks=concurrencies)
         ax.legend(fontsize=6, ncol=2)
     paths.append(_save(fig, out_dir / "latency_vs_concurrency.png"))
+
+    split = [c for c in cells if c["k"] and c.get("speedup_factors")]
+    if split:  # the reference engines' counters were there: each speedup as its three factors
+        fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), squeeze=False, sharey=True)
+        factors = ("forwards", "step_cost", "busy_share")
+        for ax, name in zip(axes[0], sets):
+            group = [c for c in split if c["prompt_set"] == name]
+            for i, factor in enumerate(factors):
+                ax.bar([j + (i - 1) * 0.25 for j in range(len(group))], [c["speedup_factors"][factor] for c in group],
+                       0.25, label=factor.replace("_", " "))
+            ax.plot(range(len(group)), [c["speedup"] for c in group], "k_", markersize=18, mew=2, label="speedup")
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_xticks(range(len(group)), [f"C={c['concurrency']} K={c['k']}" for c in group], fontsize=7)
+            ax.set(title=name, ylabel="factor vs K=0 (speedup = product)")
+            ax.legend(fontsize=7)
+        paths.append(_save(fig, out_dir / "speedup_split.png"))
     return paths
 
 

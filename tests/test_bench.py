@@ -147,7 +147,7 @@ def test_report_files_and_recommendations(report):
     result, paths = report
     names = sorted(p.name for p in paths)
     assert names == ["acceptance_by_position.png", "bench.json", "bench.md", "latency_vs_concurrency.png",
-                     "speedup_vs_k.png"]
+                     "speedup_split.png", "speedup_vs_k.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert json.loads(paths[0].parent.joinpath("bench.json").read_text())["cells"] == json.loads(json.dumps(result["cells"]))
     markdown = paths[0].parent.joinpath("bench.md").read_text()
