@@ -66,6 +66,23 @@ def test_w8a8_rounds_every_row_on_its_own_8_bit_grid():
     assert torch.equal(kernel(x[:2]), kernel(x)[:2])
 
 
+def test_onednn_int8_candidate_is_row_invariant_and_equals_fbgemm_where_sums_are_exact():
+    """make bench-kernels' oneDNN per-token W8A8 row: same grid as Int8PerToken, so with VNNI / AMX (exact int32
+    sums in both libraries) the same bits; the oneDNN kernel could then take large calls without breaking exactness."""
+    from pipeline.apps.bench_kernels import onednn_int8_per_token
+    from pipeline.reference.checkpoint import quantize_int8
+
+    w = torch.randn(960, 576, generator=torch.Generator().manual_seed(4)) * 0.05
+    candidate = onednn_int8_per_token(w)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(5))
+    batched = candidate(x)
+    for n in (1, 6):
+        assert torch.equal(candidate(x[:n]), batched[:n])
+    assert torch.equal(candidate(x[7:8]), batched[7:8])
+    if torch.cpu._is_vnni_supported():  # without VNNI oneDNN's u8 x s8 pairs may saturate in 16 bits, fbgemm's too
+        assert torch.equal(batched, Int8PerToken(*quantize_int8(w))(x))
+
+
 def test_fp16_weight_kernel_is_row_invariant():
     w = torch.randn(512, 64)
     kernel = Float16Weights(w)

@@ -1,10 +1,11 @@
 """`make bench-kernels`: CPU linear kernels for few rows on SmolLM2-135M's shapes, side by side in one run.
 
 Part 1 (kernels): the 30 layers' fused qkv [960, 576], o [576, 576], gate_up [3072, 576] and
-down [576, 1536] plus the output layer [49152, 576], random weights, timed for n = 1, 2, 4, 6, 8
-rows (the rows of one decode step, or of a K + 1 verify), kernels interleaved within each repeat
+down [576, 1536] plus the output layer [49152, 576], random weights, timed for n = 1, 2, 4, 6, 8, 16
+rows (the rows of one decode step, of a K + 1 verify, or of a few sequences' verifies), kernels interleaved within each repeat
 so that load on the shared machine hits all alike; medians; the read bandwidth of a 512 MB sum in
-the same repeats (the memory floor: weight bytes / bandwidth). For each kernel: whether it is
+the same repeats (the memory floor: weight bytes / bandwidth). The CPU's model and the matrix
+instructions torch sees (AVX2, AVX-512, VNNI, AMX) head the table: which kernel wins depends on them. For each kernel: whether it is
 batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit), which decides
 whether speculative verification can take all its rows in one call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
@@ -26,15 +27,17 @@ import argparse
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, wide_layout
+from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly,
+                                      scale_rows, wide_layout)
 from pipeline.reference.checkpoint import quantize_int8
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
-ROWS = (1, 2, 4, 6, 8)
+ROWS = (1, 2, 4, 6, 8, 16)
 
 
 def smollm2_shapes(layers: int = LAYERS) -> list[tuple[int, int]]:
@@ -92,6 +95,43 @@ def int_mm_per_token(w: torch.Tensor):
     return run
 
 
+def onednn_int8_per_token(w: torch.Tensor):
+    """Int8PerToken's per-token W8A8 on oneDNN's int8 matmul instead of fbgemm's (AMX or VNNI brgemm where present).
+
+    Rows are divided by their max |x| and rounded on Int8PerToken's fixed uint8 grid, so with exact int32
+    sums (VNNI, AMX) the result equals Int8PerToken's bit for bit (tests/test_int8_kernels.py).
+    """
+    q, scale = quantize_int8(w)
+    packed = torch.ops.onednn.qlinear_prepack(q, [1, w.shape[1]])
+    zero_points = torch.zeros(len(scale), dtype=torch.long)
+
+    def run(x):
+        x_unit, row_scale = scale_rows(x.float())
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; its quantizer rounds as fbgemm's linear does
+            warnings.simplefilter("ignore")
+            x_u8 = torch.quantize_per_tensor(x_unit, GRID_STEP, GRID_ZERO_POINT, torch.quint8).int_repr()
+        y = torch.ops.onednn.qlinear_pointwise(x_u8, GRID_STEP, GRID_ZERO_POINT, packed, scale.float(), zero_points,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        return y * row_scale
+    return run
+
+
+def onednn_bf16_packed(w: torch.Tensor, rows: int = 6):
+    """bf16 weights packed for oneDNN (AMX tiles where present); bf16 in and out, fp32 sums inside."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and the matrix instruction sets torch detects (they decide which kernel wins)."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
+    checks = {"AVX2": "_is_avx2_supported", "AVX-512": "_is_avx512_supported", "VNNI": "_is_vnni_supported",
+              "AVX-512 bf16": "_is_avx512_bf16_supported", "AMX": "_is_amx_tile_supported"}
+    found = [name for name, fn in checks.items() if getattr(torch.cpu, fn, lambda: False)()]
+    return f"{model}, {os.cpu_count()} CPUs; torch sees {', '.join(found) or 'none of AVX2 / AVX-512 / VNNI / AMX'}"
+
+
 def int8_project(kernel_cls):
     """A project int8 kernel over the per-channel quantization of w."""
     def build(w: torch.Tensor):
@@ -107,10 +147,12 @@ KERNELS = {
     "fp32 oneDNN packed for 6 rows (_linear_pointwise)": onednn_packed_for_rows,
     "fp32 DenseLinear (F.linear wide for 1 row, oneDNN packed for 2-16)": DenseLinear,
     "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
+    "bf16 oneDNN packed, bf16 output": onednn_bf16_packed,
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
     "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(Int8PerToken),
     "int8 W8A8 per-token, torch._int_mm": int_mm_per_token,
+    "int8 W8A8 per-token, oneDNN qlinear": onednn_int8_per_token,
     "int8 fbgemm dynamic, per-batch act scale": fbgemm_dynamic,
     "int4 packed, bf16 act": lambda w: int4_kernel(w, torch.bfloat16),
     "int4 packed, fp32 act": lambda w: int4_kernel(w, torch.float32),
@@ -304,6 +346,7 @@ def main() -> None:
     args = parser.parse_args()
     threads = [min(int(t), os.cpu_count() or 1) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
+    print(cpu_summary())
     with torch.inference_mode():
         if not args.skip_kernels:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
