@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly,
                                       scale_rows, wide_layout)
+from pipeline.apps.host import cpu_summary
 from pipeline.reference.checkpoint import quantize_int8
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
@@ -120,16 +121,6 @@ def onednn_bf16_packed(w: torch.Tensor, rows: int = 6):
     """bf16 weights packed for oneDNN (AMX tiles where present); bf16 in and out, fp32 sums inside."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
-
-
-def cpu_summary() -> str:
-    """The CPU's model name and the matrix instruction sets torch detects (they decide which kernel wins)."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
-    checks = {"AVX2": "_is_avx2_supported", "AVX-512": "_is_avx512_supported", "VNNI": "_is_vnni_supported",
-              "AVX-512 bf16": "_is_avx512_bf16_supported", "AMX": "_is_amx_tile_supported"}
-    found = [name for name, fn in checks.items() if getattr(torch.cpu, fn, lambda: False)()]
-    return f"{model}, {os.cpu_count()} CPUs; torch sees {', '.join(found) or 'none of AVX2 / AVX-512 / VNNI / AMX'}"
 
 
 def int8_project(kernel_cls):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.apps.host import cpu_summary
 from pipeline.modes import traits
 from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
 from pipeline.server import HUGEPAGE_TUNABLES
@@ -183,7 +184,7 @@ def run_bench(spec, log=print) -> str:
     lines = [BEGIN, "## Serving overhead: Triton vs the engine (`make bench-serve`)", "",
              f"Spec `{spec.name}` ({spec.speculative.mode}, K={k}), reference engines, greedy; medians of {REPEATS} "
              "repeats, engine and Triton measured alternately in one run (the machine is shared: compare the ratios); "
-             f"load average {os.getloadavg()[0]:.1f} at the end; benchmark process GLIBC_TUNABLES="
+             f"{cpu_summary()}; load average {os.getloadavg()[0]:.1f} at the end; benchmark process GLIBC_TUNABLES="
              f"`{os.environ.get('GLIBC_TUNABLES', '')}` (the server's models get `{HUGEPAGE_TUNABLES}` unless set).", "",
              f"| plain decoding, {PLAIN_TOKENS} tokens per request | engine tok/s | Triton (tensorrt_llm_bls) tok/s | "
              "Triton / engine |", "|---|---|---|---|"]
