@@ -1,5 +1,6 @@
 """Pure token-sequence helpers shared by the reference engine and the BLS (no torch, no numpy): prefix
-matching (KV cache, accepted drafts), prompt lookup (n-gram drafts) and stop detection."""
+matching (KV cache, accepted drafts), prompt lookup (n-gram drafts), the adaptive draft length and stop
+detection."""
 
 from __future__ import annotations
 
@@ -45,3 +46,10 @@ def find_stop(generated: Sequence[int], num_new: int, end_id: int | None,
             if i + 1 >= len(word) and list(generated[i + 1 - len(word):i + 1]) == list(word):
                 return i + 1 - start, "stop"
     return num_new, None
+
+
+def next_draft_len(draft_len: int, num_accepted: int, num_proposed: int, max_draft_len: int) -> int:
+    """Adaptive K (transformers' "heuristic" schedule): after a verify of num_proposed > 0 draft tokens, the next
+    draft is 2 longer if every token was accepted, else 1 shorter; always within 1..max_draft_len."""
+    grown = draft_len + 2 if num_accepted == num_proposed else draft_len - 1
+    return max(1, min(grown, max_draft_len))

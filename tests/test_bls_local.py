@@ -205,3 +205,30 @@ def test_measured_draft_token_cost_switches_off_a_draft_below_break_even_and_kee
     assert below == plain and below_stats.rounds == ROUNDS_BEFORE_ACCEPTANCE_CHECK < free_stats.rounds
     above, above_stats, _ = decode(min(checked) - 0.05)  # earns more than it costs at every check: kept
     assert above == plain and above_stats.rounds == free_stats.rounds
+
+
+def test_draft_length_adapts_per_round_within_k(engines):
+    """Each round drafts min(draft length, tokens left - 1); the draft length starts at the request's K, drops by one
+    after a partly rejected draft and grows by two (never past K) after a fully accepted one."""
+    from pipeline.sequences import next_draft_len
+
+    runners, tokenizer = engines
+    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode="draft_target",
+                           max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63)
+    sink, k, max_tokens = Rounds(), 4, 40
+    tokens, stats = run(SpeculativeDecoder(settings, LocalModelClient(runners), sink), tokenizer, settings,
+                        "the the the cat sat on the mat and the cat sat on the", max_tokens, k)
+    assert len(tokens) == max_tokens and stats.rounds == len(sink.rounds)
+    draft_len, done = k, 0
+    for proposed, accepted in sink.rounds:
+        assert proposed == min(draft_len, max_tokens - done - 1)
+        draft_len = next_draft_len(draft_len, accepted, proposed, k)
+        done += accepted + 1
+    assert any(p < min(k, max_tokens - 1) for p, _ in sink.rounds[1:-2])  # it did shrink mid-request
+
+
+def test_next_draft_len_follows_the_heuristic_schedule():
+    from pipeline.sequences import next_draft_len
+
+    assert next_draft_len(4, 4, 4, 8) == 6 and next_draft_len(7, 7, 7, 8) == 8  # full accept: +2, capped
+    assert next_draft_len(4, 2, 4, 8) == 3 and next_draft_len(1, 0, 1, 8) == 1  # a rejection: -1, never below 1

@@ -6,7 +6,8 @@ import pytest
 
 from pipeline.apps.lookup_ceiling import LookupPolicy, Replay, main, policies, replay
 
-SERVED = LookupPolicy("served", k=5, miss_tokens=None, switch_off_below=0.0)
+SERVED = LookupPolicy("served", k=5, miss_tokens=None, switch_off_below=0.0, adaptive=True)
+FIXED = LookupPolicy("fixed K", k=5, miss_tokens=None, switch_off_below=0.0)
 EVERY_TOKEN = LookupPolicy("every token", k=5, miss_tokens=1, switch_off_below=0.0)
 
 
@@ -47,10 +48,24 @@ def test_the_switch_off_stops_drafting_after_eight_rounds():
     assert strict.forwards > never.forwards  # giving up on accepted 2s costs forwards
 
 
+def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_longer_up_to_k():
+    # each group repeats "1 2 3 4 5 6" up to a new token: the lookup after "1" proposes 2 3 4 5 6 <old new token>;
+    # the old new token is rejected, so with the adaptive schedule the next drafts shrink (fewer rejected tokens
+    # drafted) while every token the copy brings is still accepted
+    prompt = [1, 2, 3, 4, 5, 6, 99]
+    answer = [x for i in range(6) for x in (1, 2, 3, 4, 5, 6, 100 + i)]
+    adaptive, fixed = replay(prompt, answer, SERVED), replay(prompt, answer, FIXED)
+    assert adaptive.tokens == fixed.tokens == len(answer)
+    assert adaptive.drafted < fixed.drafted and adaptive.accepted / adaptive.drafted > fixed.accepted / fixed.drafted
+    copy = replay([1, 2, 3, 4, 5, 6, 7, 8, 9, 1], [2, 3, 4, 5, 6, 7, 8, 9], SERVED)
+    assert (copy.forwards, copy.drafted) == (2, 6)  # all accepted: K stays at its cap, 5
+
+
 def test_the_ceiling_policy_never_switches_off_and_drafts_16():
-    served, every, ceiling = policies(5, 0.3, 1, 3)
+    served, fixed, every, ceiling = policies(5, 0.3, 1, 3)
     assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
-    assert served.switch_off_below == every.switch_off_below == 0.3
+    assert served.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
+    assert served.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
     assert Replay().tokens_per_forward() == 0.0
 
 
@@ -64,12 +79,12 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
                  "--max-tokens", "12", "--k", "3", "--out", str(out)]) == 0
     report = json.loads((out / "lookup.json").read_text())
     assert 0 <= report["draft_token_cost"] < 5
-    served, every, ceiling = report["policies"].values()
-    for counts in (served["copy"], every["copy"], ceiling["copy"]):
+    served, fixed, every, ceiling = report["policies"].values()
+    for counts in (served["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
         assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
         assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
     assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers
-    assert "| served: K=3" in (out / "lookup.md").read_text()
+    assert "| served: K<=3 adaptive" in (out / "lookup.md").read_text()
     assert (out / "lookup.png").stat().st_size > 0
 
 

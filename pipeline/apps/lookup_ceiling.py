@@ -10,8 +10,11 @@ step and calls cost nothing; with the measured cost c of a draft token (pipeline
 estimate is tokens / (forwards + c x drafted tokens).
 
 Policies:
-- served: the BLS's rounds (K draft tokens; a lookup miss decodes K + 1 tokens plainly; a request whose
-  acceptance is below the switch-off bar after 8 rounds decodes plainly to the end);
+- served: the BLS's rounds (at most K draft tokens, adaptive: one fewer after a partly rejected draft, two more
+  after a fully accepted one, pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length
+  + 1 tokens plainly; a request whose acceptance is below the switch-off bar after 8 rounds decodes plainly to
+  the end);
+- fixed K: the same rounds with K never changing (the BLS before 2026-12-02);
 - every token: the lookup runs again after every plain token (a miss costs one forward);
 - every token, K=16, no switch-off: prompt lookup's ceiling on these answers (longer drafts, never giving up).
 """
@@ -23,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.sequences import ngram_lookup
+from pipeline.sequences import next_draft_len, ngram_lookup
 
 ROUNDS_BEFORE_SWITCH_OFF = 8  # as the BLS (pipeline.serving.bls.ROUNDS_BEFORE_ACCEPTANCE_CHECK)
 CEILING_K = 16
@@ -31,13 +34,15 @@ CEILING_K = 16
 
 @dataclass(frozen=True)
 class LookupPolicy:
-    """How a request drafts: K tokens per round, plain tokens per lookup miss (None: K + 1, as the BLS), and the
-    acceptance below which it stops speculating after 8 rounds (0: never)."""
+    """How a request drafts: at most K tokens per round (adaptive: the BLS's draft length schedule, else always K),
+    plain tokens per lookup miss (None: draft length + 1, as the BLS), and the acceptance below which it stops
+    speculating after 8 rounds (0: never)."""
 
     name: str
     k: int
     miss_tokens: int | None
     switch_off_below: float
+    adaptive: bool = False
     min_ngram: int = 1
     max_ngram: int = 3
 
@@ -73,13 +78,13 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     exactly when it equals the answer's next token). The prompt's prefill forward is not counted (plain decoding
     pays it too)."""
     out = Replay(tokens=len(answer))
-    done, rounds, speculate = 0, 0, True
+    done, rounds, speculate, draft_len = 0, 0, True, policy.k
     while done < len(answer):
         remaining = len(answer) - done
         if not speculate or remaining == 1:
             out.forwards += remaining
             break
-        k = min(policy.k, remaining - 1)
+        k = min(draft_len, remaining - 1)
         draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram)
         rounds += 1
         if not draft:
@@ -94,6 +99,8 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
             out.drafted += len(draft)
             out.accepted += accepted
             done += accepted + 1
+            if policy.adaptive:
+                draft_len = next_draft_len(draft_len, accepted, len(draft), policy.k)
         if (rounds >= ROUNDS_BEFORE_SWITCH_OFF and out.drafted
                 and out.accepted / out.drafted < policy.switch_off_below):
             speculate = False
@@ -101,11 +108,13 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
 
 
 def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int) -> list[LookupPolicy]:
-    """The served policy and the two that bound it (module docstring)."""
-    return [LookupPolicy(f"served: K={k}, a miss decodes K+1", k, None, switch_off_below, min_ngram, max_ngram),
-            LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, min_ngram, max_ngram),
-            LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, min_ngram,
-                         max_ngram)]
+    """The served policy, its fixed-K form and the two that bound it (module docstring)."""
+    return [LookupPolicy(f"served: K<={k} adaptive, a miss decodes K+1", k, None, switch_off_below, True, min_ngram,
+                         max_ngram),
+            LookupPolicy(f"fixed K={k}, a miss decodes K+1", k, None, switch_off_below, False, min_ngram, max_ngram),
+            LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, False, min_ngram, max_ngram),
+            LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, False,
+                         min_ngram, max_ngram)]
 
 
 def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_tokens: int) -> dict[str, list[dict]]:

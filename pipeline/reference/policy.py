@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
+from pipeline.sequences import next_draft_len
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,7 @@ class PolicyProposer:
             return
         cfg = self.config
         if cfg.adaptive:
-            grown = state.draft_len + 2 if num_accepted == num_proposed else state.draft_len - 1
-            state.draft_len = max(1, min(grown, cfg.max_draft_tokens))
+            state.draft_len = next_draft_len(state.draft_len, num_accepted, num_proposed, cfg.max_draft_tokens)
         state.accepted += num_accepted
         state.proposed += num_proposed
 

@@ -5,8 +5,11 @@ chunks. Model calls go through an injected `ModelClient` (Triton BLS calls in th
 many requests run concurrently and the target/draft engines batch them in flight.
 
 Each round of a speculative request:
-1. propose K tokens: the draft model (tensorrt_llm_draft, asked for K tokens, plus its raw logits
-   when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model);
+1. propose up to K tokens: the draft model (tensorrt_llm_draft, asked for that many tokens, plus its raw
+   logits when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model). The
+   round's draft length adapts (sequences.next_draft_len): it starts at the request's K
+   (num_draft_tokens), drops by one after a partly rejected draft and grows by two, never past K, after
+   a fully accepted one; a lookup miss decodes draft length + 1 tokens plainly;
 2. verify: one target call with input_ids = the sequence so far, draft_input_ids = the proposal
    (and draft_logits for lossless rejection sampling), request_output_len = K + 1; the target
    returns the accepted prefix plus its own next token (TensorRT-LLM's draft_tokens_external);
@@ -38,7 +41,7 @@ import numpy as np
 
 from pipeline.modes import traits
 from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, role_seed
-from pipeline.sequences import common_prefix_len, find_stop, ngram_lookup
+from pipeline.sequences import common_prefix_len, find_stop, next_draft_len, ngram_lookup
 from pipeline.serving.errors import RequestError, Stopped
 from pipeline.serving.params import BlsSettings, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
@@ -190,6 +193,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
         speculate = self.speculates(req)
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
+        draft_len = req.num_draft_tokens  # adaptive: shorter after a rejection, longer after a full accept, at most K
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             gated = speculate and self.gated()
@@ -210,7 +214,7 @@ class SpeculativeDecoder:
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
             try:
-                out, proposed, accepted, stopped = await self._round(req, generated, min(req.num_draft_tokens, remaining - 1))
+                out, proposed, accepted, stopped = await self._round(req, generated, min(draft_len, remaining - 1))
             except DraftError as exc:
                 if not isinstance(exc.__cause__, ModelDown):  # a dead draft is logged once, not per request
                     self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
@@ -222,6 +226,7 @@ class SpeculativeDecoder:
             stats.total_accepted_draft_tokens += accepted
             if proposed:
                 self.metrics.round(proposed, accepted)
+                draft_len = next_draft_len(draft_len, accepted, proposed, req.num_draft_tokens)
             keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
             generated += out.tokens[:keep]
             if keep or out.context_logits is not None:
