@@ -31,13 +31,10 @@ def model_config(args: dict) -> dict:
 
 
 def request_inputs(request, names: list[str]) -> dict[str, np.ndarray]:
-    """Every input of `request` among `names` that the client sent, as numpy arrays."""
-    out = {}
-    for name in names:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            out[name] = tensor.as_numpy()
-    return out
+    """Every input of `request` among `names` that the client sent, as numpy arrays (one pass over the request's
+    inputs: pb_utils.get_input_tensor_by_name rebuilds the whole input list on every call)."""
+    wanted = set(names)
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs() if tensor.name() in wanted}
 
 
 def tensors(arrays: dict[str, np.ndarray]) -> list:
