@@ -2,12 +2,13 @@
 
 Part 1 (kernels): the 30 layers' fused qkv [960, 576], o [576, 576], gate_up [3072, 576] and
 down [576, 1536] plus the output layer [49152, 576], random weights, timed for n = 1, 2, 4, 6, 8, 16
-rows (the rows of one decode step, of a K + 1 verify, or of a few sequences' verifies), kernels interleaved within each repeat
-so that load on the shared machine hits all alike; medians; the read bandwidth of a 512 MB sum in
-the same repeats (the memory floor: weight bytes / bandwidth). The CPU's model and the matrix
-instructions torch sees (AVX2, AVX-512, VNNI, AMX) head the table: which kernel wins depends on them. For each kernel: whether it is
-batch-invariant (rows of a 6-row call equal to the same rows alone, bit for bit), which decides
-whether speculative verification can take all its rows in one call and stay exact.
+rows (the rows of one decode step, of a K + 1 verify, or of a few sequences' verifies), kernels
+interleaved within each repeat so that load on the shared machine hits all alike; medians; the read
+bandwidth of a 512 MB sum in the same repeats (the memory floor: weight bytes / bandwidth). The CPU's
+model and the matrix instructions torch sees (AVX2, AVX-512, VNNI, AMX) head the run: which kernel wins
+depends on them. For each kernel: whether it is batch-invariant (rows of a 6-row call equal to the same
+rows alone, bit for bit), which decides whether speculative verification can take all its rows in one
+call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
 context, and one decode step of 8 sequences in flight, through the reference model of each engine,
 batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
@@ -32,10 +33,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly,
-                                      scale_rows, wide_layout)
 from pipeline.apps.host import cpu_summary
 from pipeline.reference.checkpoint import quantize_int8
+from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
+                                      Int8WeightOnly, scale_rows, wide_layout)
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
 ROWS = (1, 2, 4, 6, 8, 16)

@@ -23,4 +23,5 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
 def cpu_summary() -> str:
     """One line: the CPU's model, its CPU count and the matrix instruction sets torch detects."""
     found = [name for name, fn in ISA_CHECKS.items() if getattr(torch.cpu, fn, lambda: False)()]
-    return f"{cpu_model()}, {os.cpu_count()} CPUs; torch sees {', '.join(found) or 'none of AVX2 / AVX-512 / VNNI / AMX'}"
+    seen = ", ".join(found) or "none of AVX2 / AVX-512 / VNNI / AMX"
+    return f"{cpu_model()}, {os.cpu_count()} CPUs; torch sees {seen}"

@@ -33,18 +33,17 @@ from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
 from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
 from pipeline.serving.stub_keeper import CallObjects, StubObjectKeeper
+from pipeline.serving.triton_io import response_outputs
 
 _DONE = object()
+POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
+DEAD_STUB_MARKER = "is not healthy"  # Triton's error for a call to a model whose python stub died
 
 
 def _exec_all(request) -> tuple:
     """exec(decoupled=True) and every response up to the final flag: (the response iterator, the responses)."""
     answer = request.exec(decoupled=True)
     return answer, list(answer)
-
-
-POLL_S = 0.25  # how often a waiting call checks whether its model was marked down meanwhile
-DEAD_STUB_MARKER = "is not healthy"  # Triton's error for a call to a model whose python stub died
 
 
 class TritonModelClient:
@@ -114,7 +113,8 @@ class TritonModelClient:
         # Not async_exec: in 2.51 it runs exec() on the event loop's default executor (a few threads), which
         # calls to a dead stub block for good, and then every other call queues behind them.
         collect = collect and self.decoupled  # a unary call has one response anyway
-        job = functools.partial(_exec_all, request) if collect else functools.partial(request.exec, decoupled=self.decoupled)
+        job = (functools.partial(_exec_all, request) if collect
+               else functools.partial(request.exec, decoupled=self.decoupled))
         try:
             answer = await self._call(model, call, job)
         except ModelError:
@@ -125,8 +125,8 @@ class TritonModelClient:
                 raise ModelDown(f"{model}: {exc}") from None
             raise
         if collect:
-            answer, responses = answer
-            call.objects += [answer, *responses]
+            iterator, responses = answer
+            call.objects += [iterator, *responses]
             for response in responses:
                 yield self._checked(model, response)
             return
@@ -164,8 +164,7 @@ class TritonModelClient:
                  "context_logits": returns.context_logits}
         outputs = ["output_ids", "sequence_length"] + [name for name, wanted in names.items() if wanted]
         async for response in self._responses(model, inputs, outputs, collect):
-            ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
-            if ids is None:  # the empty final-flag response
+            arrays = response_outputs(response)
+            if "output_ids" not in arrays:  # the empty final-flag response
                 continue
-            arrays = {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
-            yield generation_from_arrays({k: v.as_numpy() for k, v in arrays.items() if v is not None})
+            yield generation_from_arrays({name: arrays[name] for name in outputs if name in arrays})

@@ -37,6 +37,11 @@ def request_inputs(request, names: list[str]) -> dict[str, np.ndarray]:
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs() if tensor.name() in wanted}
 
 
+def response_outputs(response) -> dict[str, np.ndarray]:
+    """Every output tensor of a model's response, as numpy arrays (one pass, as `request_inputs`)."""
+    return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+
+
 def tensors(arrays: dict[str, np.ndarray]) -> list:
     """pb_utils.Tensor list from name -> array."""
     return [pb_utils.Tensor(name, array) for name, array in arrays.items()]
