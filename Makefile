@@ -44,7 +44,8 @@ trained-pair: venv
 bench-kernels: venv models
 	$(PY) -m pipeline engines examples/default.yaml >/dev/null
 	$(PY) -m pipeline engines examples/default.yaml --set name=float32 --set models.target.qformat=none >/dev/null
-	$(PY) -m pipeline.apps.bench_kernels --engines out/float32/engines/target out/default/engines/target $(ARGS)
+	$(PY) -m pipeline.apps.bench_kernels --engines out/float32/engines/target out/default/engines/target \
+		--tokenizer models/SmolLM2-135M-Instruct $(ARGS)
 
 # What prompt lookup can bring on the built-in prompt sets (tokens per target forward, counted on the default
 # engine's greedy answers: the first factor of `make bench`'s speedup split); writes out/bench-lookup/lookup.{md,json,png}.

@@ -15,7 +15,8 @@ from pipeline.reference.checkpoint import dequantize_linear, load_engine, quanti
 from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly
+from pipeline.reference.linear import (SCREEN_ROWS, DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly,
+                                       ScreenedOutputLayer)
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
 from tests.test_speculative import drive, prompts
@@ -92,6 +93,46 @@ def test_fp16_weight_kernel_is_row_invariant():
     assert kernel.nbytes == w.numel() * 2
 
 
+AMX = torch.cpu._is_amx_tile_supported()
+needs_amx = pytest.mark.skipif(not AMX, reason="ScreenedOutputLayer runs where the CPU has AMX (else Float16Weights)")
+
+
+def exact_logits(x, w):
+    """x @ W16^T summed in float64 and rounded once: the logits ScreenedOutputLayer's top must equal."""
+    return (x.double() @ w.half().double().T).float()
+
+
+@needs_amx
+def test_screened_output_layer_picks_the_exact_argmax_among_near_ties():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3000, 64, generator=g) * 0.2
+    # 12 tokens whose weights differ below bf16's resolution: their bf16 logits tie, their exact ones do not
+    w[2890:2902] = w[2890] + torch.randn(12, 64, generator=g) * 1e-4  # past the last whole 256-token block
+    layer = ScreenedOutputLayer(w)
+    x = torch.randn(200, 64, generator=g) * 4
+    x[:100] = w[2890] * 30 + torch.randn(100, 64, generator=g) * 0.1  # rows whose top is among the near ties
+    out, exact = layer(x), exact_logits(x, w)
+    assert torch.equal(out.argmax(dim=1), exact.argmax(dim=1))
+    approx = (x.bfloat16() @ w.half().bfloat16().T).float()
+    assert (approx[:100].argmax(dim=1) != exact[:100].argmax(dim=1)).any()  # bf16 alone would pick wrongly
+    top = exact.argmax(dim=1, keepdim=True)
+    assert torch.equal(out.gather(1, top), exact.gather(1, top))  # the top logit is the exact one
+    bound = layer._bound(x, x.bfloat16().float(), approx.abs().amax(dim=1))
+    assert ((out - exact).abs() <= bound.unsqueeze(1)).all()
+    assert ((out - exact).abs().amax(dim=1) > 0).all()  # away from the top, logits are bf16's
+
+
+@needs_amx
+def test_screened_output_layer_is_batch_invariant_past_one_gemm_call():
+    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(8)) * 0.2
+    layer = ScreenedOutputLayer(w)
+    x = torch.randn(SCREEN_ROWS + 9, 64, generator=torch.Generator().manual_seed(9)) * 4
+    alone = torch.cat([layer(x[r:r + 1]) for r in range(len(x))])
+    for n in (2, 6, 16, SCREEN_ROWS, SCREEN_ROWS + 9):
+        assert torch.equal(layer(x[:n]), alone[:n]), n
+    assert layer.nbytes == w.numel() * 2
+
+
 def test_float32_dense_linear_takes_verify_sized_calls_on_onednn():
     w = torch.randn(200, 64, generator=torch.Generator().manual_seed(4))
     kernel = DenseLinear(w)
@@ -124,7 +165,7 @@ def test_int8_engines_load_int8_kernels(int8_engines, qformat, kernel_cls):
     engine = LLMEngine.from_engine_dir(int8_engines[qformat])
     layer = engine.model.layers[0]
     assert all(isinstance(layer[k], kernel_cls) for k in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(engine.model.lm_head_linear, Float16Weights)
+    assert isinstance(engine.model.lm_head_linear, ScreenedOutputLayer if AMX else Float16Weights)
     _config, dense = load_engine(int8_engines[qformat])  # dequantized: what the model ran before the int8 kernels
     fp32_body = sum(dense[k].numel() * 4 for k in dense if k.startswith("model.layers.") and k.endswith("_proj.weight"))
     int8_body = sum(lyr[k].nbytes for lyr in engine.model.layers for k in ("qkv", "o", "gate_up", "down"))
@@ -142,7 +183,7 @@ def generate(engine_dir, requests, proposer=None, stagger=False):
 def test_float16_engines_run_fp16_weight_kernels(int8_engines):
     model = LLMEngine.from_engine_dir(int8_engines["float16"]).model
     assert all(isinstance(model.layers[0][k], Float16Weights) for k in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(model.lm_head_linear, Float16Weights)
+    assert isinstance(model.lm_head_linear, ScreenedOutputLayer if AMX else Float16Weights)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pipeline.apps.host import cpu_summary
 from pipeline.reference.checkpoint import quantize_int8
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
-                                      Int8WeightOnly, scale_rows, wide_layout)
+                                      Int8WeightOnly, ScreenedOutputLayer, scale_rows, wide_layout)
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
 ROWS = (1, 2, 4, 6, 8, 16)
@@ -232,9 +232,30 @@ def step_profile(model, seq, kv, reps: int = 3) -> tuple[float, float, float]:
     return ops, kernel_us / 1000, total_us / 1000
 
 
-def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str], context: int = 128,
-                new: int = 6, batch: int = 8) -> None:
-    """Part 2: forwards after about `context` cached tokens, per engine, layer mode and thread count, in both attention modes.
+def context_ids(tokenizer_dir: str | None, n: int) -> list[int]:
+    """n token ids of local English text (pipeline.corpus) with the model's tokenizer; without one, a synthetic
+    sequence (whose flat next-token distributions give ScreenedOutputLayer more candidates than text does)."""
+    if tokenizer_dir is None:
+        return [(7 * i + 3) % 1000 + 10 for i in range(n)]
+    from transformers import AutoTokenizer
+
+    from pipeline.corpus import local_text
+    return AutoTokenizer.from_pretrained(tokenizer_dir)(local_text(20 * n))["input_ids"][:n]
+
+
+def output_layer_variants(model, names: list[str]) -> dict:
+    """{name: output-layer kernel} for a model whose output layer is kept in 16 bits ("screened": ScreenedOutputLayer,
+    "fp16": Float16Weights); a float32 model keeps its own, named "fp32"."""
+    if isinstance(model.lm_head_linear, DenseLinear):
+        return {"fp32": model.lm_head_linear}
+    kinds = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
+    return {name: kinds[name](model.lm_head) for name in names}
+
+
+def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str],
+                output_layers: list[str], tokenizer_dir: str | None = None, context: int = 128, new: int = 6,
+                batch: int = 8) -> None:
+    """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, and one decode step of `batch` sequences (contexts
     spread around `context`: 8 in flight), each batch-invariant (every token its own SDPA batch element
@@ -242,25 +263,30 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
     bandwidth measured in the same repeats). Layer modes: "eager" (op by op) and "compiled"
     (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only),
-    timed alternately in the same repeats. Then, per engine and mode, where one decode step goes
+    timed alternately in the same repeats; so are the output layers of 16-bit output layers (`output_layers`:
+    "screened", ScreenedOutputLayer, "fp16", Float16Weights). Then, per engine and mode, where one decode step goes
     (torch.profiler): the linear kernels against everything else, and the number of torch ops.
     """
     from pipeline.reference import compiled
     from pipeline.reference.model import LlamaModel, SequenceInput
 
     models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
-    variants = {}  # (engine, mode) -> CompiledLayers or None (eager)
+    variants = {}  # (engine, layer mode, output layer) -> (CompiledLayers or None (eager), output-layer kernel)
     for d, model in models.items():
+        heads = output_layer_variants(model, output_layers)
         for mode in layer_modes:
             if mode == "eager":
-                variants[(d, mode)] = None
+                layers = None
             elif compiled.eligible(model) is None:
                 start = time.perf_counter()
-                variants[(d, mode)] = compiled.CompiledLayers(model)
+                layers = compiled.CompiledLayers(model)
                 print(f"{d}: compiled layers built in {time.perf_counter() - start:.1f} s (compiled, or loaded from "
                       "inductor's on-disk cache)")
+            else:
+                continue
+            variants.update({(d, mode, out): (layers, head) for out, head in heads.items()})
     lengths = [context * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)][:batch]  # the in-flight sequences' contexts
-    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + new)]
+    ids = context_ids(tokenizer_dir, max(lengths) + new)
     per_seq = -(-(max(lengths) + new) // 32)  # blocks per sequence
     caches = {}
     for d, model in models.items():
@@ -281,46 +307,51 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
         bandwidth.append(bandwidth_gbs(buffer))  # evicts the caches: the case right after it runs cold
         for t in threads:
             torch.set_num_threads(t)
-            for (d, mode), layers in variants.items():
+            for (d, mode, out), (layers, head) in variants.items():
                 model = models[d]
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
-                model.compiled_layers = layers
+                model.compiled_layers, model.lm_head_linear = layers, head
                 for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
                     model(seqs(d, n, b), caches[d])
-                    times[((d, mode), t, (n, b, invariant))].append(time.perf_counter() - start)
+                    times[((d, mode, out), t, (n, b, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forwards after {context} cached "
           f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
           "batched = one masked SDPA per sequence")
-    print(f"| engine | layers | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
+    print(f"| engine | layers | output layer | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
           f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (d, mode) in variants:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d, mode, out), (_layers, head) in variants.items():
         model = models[d]
+        model.lm_head_linear = head
         for t in threads:
-            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[((d, mode), t, case)]) for case in cases)
+            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[((d, mode, out), t, case)]) for case in cases)
             floor = model.weight_bytes / bw / 1e9
-            print(f"| {d} | {mode} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+            print(f"| {d} | {mode} | {out} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
                   f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
-    for (d, mode) in variants:  # per-repeat ratios: both modes ran back to back in every repeat, under the same load
-        if mode != "eager" and (d, "eager") in variants:
+    first_out = {d: out for d, _mode, out in reversed(variants)}
+    for (d, mode, out) in variants:  # per-repeat ratios against the first variant: all ran back to back in every repeat
+        base = (d, "eager", first_out[d])
+        if (d, mode, out) != base and base in variants:
             for t in threads:
-                ratios = sorted(a / b for a, b in zip(times[((d, mode), t, cases[0])], times[((d, "eager"), t, cases[0])]))
-                print(f"{d}, {t} thread(s): 1 token {mode} / eager, per repeat: median {statistics.median(ratios):.2f}, "
-                      f"range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times {min(times[((d, mode), t, cases[0])]) * 1000:.1f} "
-                      f"against {min(times[((d, 'eager'), t, cases[0])]) * 1000:.1f} ms")
+                new, old = times[((d, mode, out), t, cases[0])], times[(base, t, cases[0])]
+                ratios = sorted(a / b for a, b in zip(new, old))
+                print(f"{d}, {t} thread(s): 1 token {mode} with {out} output / eager with {base[2]} output, per repeat: "
+                      f"median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times "
+                      f"{min(new) * 1000:.1f} against {min(old) * 1000:.1f} ms")
     torch.set_num_threads(threads[0])
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
-    print("| engine | layers | torch ops (nested ones included) | linear kernels ms | other ops ms | kernels' read rate GB/s |")
-    print("|---|---|---|---|---|---|")
-    for (d, mode), layers in variants.items():
+    print("| engine | layers | output layer | torch ops (nested ones included) | linear kernels ms | other ops ms | "
+          "kernels' read rate GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for (d, mode, out), (layers, head) in variants.items():
         model = models[d]
-        model.decode_threads, model.compiled_layers, model.batch_invariant = threads[0], layers, True
+        model.decode_threads, model.compiled_layers, model.lm_head_linear, model.batch_invariant = threads[0], layers, head, True
         ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d])
-        print(f"| {d} | {mode} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
+        print(f"| {d} | {mode} | {out} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
               f"{model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 
@@ -333,6 +364,9 @@ def main() -> None:
     parser.add_argument("--engines", nargs="*", default=[], help="engine folders for part 2 (model forwards)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--threads", default="1,2", help="torch thread counts for part 2 (default 1,2; part 1 runs on the first)")
+    parser.add_argument("--tokenizer", help="part 2's context: local text tokenized with this tokenizer (default: synthetic ids)")
+    parser.add_argument("--output-layers", default="screened,fp16" if torch.cpu._is_amx_tile_supported() else "fp16",
+                        help="part 2's 16-bit output layers: screened (bf16 + exact top, needs AMX), fp16 (fbgemm)")
     parser.add_argument("--modes", default="eager,compiled",
                         help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
     args = parser.parse_args()
@@ -344,7 +378,7 @@ def main() -> None:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
-            bench_model(args.engines, args.reps, threads, args.modes.split(","))
+            bench_model(args.engines, args.reps, threads, args.modes.split(","), args.output_layers.split(","), args.tokenizer)
 
 
 if __name__ == "__main__":

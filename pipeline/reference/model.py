@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import KVCache
-from pipeline.reference.linear import DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, wide_layout
+from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, output_layer_16bit,
+                                       wide_layout)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads:
@@ -162,8 +163,9 @@ class LlamaModel(torch.nn.Module):
         tied = config["tie_word_embeddings"] or "lm_head.weight" not in state_dict
         self.lm_head = wide_layout(w("model.embed_tokens.weight" if tied else "lm_head.weight"))  # [vocab, hidden] view
         self.embed = self.lm_head if tied else w("model.embed_tokens.weight")  # [vocab, hidden]
-        # int8 engines: the output layer stays unquantized as in TensorRT-LLM, on a 16-bit batch-invariant kernel
-        self.lm_head_linear = Float16Weights(self.lm_head) if kernel is not None else dense(self.lm_head)
+        # int8 and float16 engines: the output layer stays in 16 bits as in TensorRT-LLM, on a batch-invariant kernel
+        sixteen_bit = kernel is not None or self.dtype == torch.float16
+        self.lm_head_linear = output_layer_16bit(self.lm_head) if sixteen_bit else dense(self.lm_head)
         self.final_norm = w("model.norm.weight") if "model.norm.weight" in state_dict else None  # None: EAGLE drafter
         self.layers = []
         for i in range(self.num_layers):
