@@ -174,7 +174,7 @@ class Float16Weights:
 # oneDNN's bf16 GEMM gives a row the same bits in calls of 1 to 32 rows, on 1 or 2 threads, whatever the packing
 # hint (measured with torch 2.13 on AMX); from 33 rows on it blocks differently, so longer calls run in chunks
 SCREEN_ROWS = 32
-GAMMA_FP32_SUMS = 1024 * 2**-24  # >= n u / (1 - n u): the error of n <= 1000 fp32 additions in any order, relative
+FP32_UNIT_ROUNDOFF = 2**-24
 
 
 class ScreenedOutputLayer:
@@ -204,6 +204,8 @@ class ScreenedOutputLayer:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, 6)  # the row hint does not change the bits
         self.max_norm = wb.float().norm(dim=1).max().item()  # max_c ||bf16(W16_c)||
         self.max_rounding_norm = (w16 - wb.float()).norm(dim=1).max().item()  # max_c ||bf16(W16_c) - W16_c||
+        n_u = weight.shape[1] * FP32_UNIT_ROUNDOFF
+        self.gamma = n_u / (1 - n_u)  # the relative error of H fp32 additions in any order
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -225,13 +227,14 @@ class ScreenedOutputLayer:
         """[R] a bound on |approx_c - exact_c| over all tokens c, per row.
 
         approx_c - true_c = x . dW_c + dx . bf16(W16_c)  (dW, dx: the bf16 rounding of the weights and of x)
-                          + the fp32 sums' error          (<= GAMMA * sum_i |xb_i W_ci|)
+                          + the fp32 sums' error          (<= gamma * sum_i |xb_i W_ci|)
                           + the bf16 rounding of the sum  (<= 2^-8 |sum| <= 2^-8 / (1 - 2^-8) max_c |approx_c|)
         and exact_c - true_c <= 2^-24 |true_c| (rounded once). Cauchy-Schwarz bounds each dot product by
         the norms, the weights' norms by their maximum over c; the factors carry some slack.
         """
         norm, rounding_norm = x.norm(dim=1), (x - xb).norm(dim=1)  # ||xb|| <= norm + rounding_norm
-        weights = norm * self.max_rounding_norm + rounding_norm * self.max_norm + GAMMA_FP32_SUMS * (norm + rounding_norm) * self.max_norm
+        weights = (norm * self.max_rounding_norm + rounding_norm * self.max_norm
+                   + self.gamma * (norm + rounding_norm) * self.max_norm)
         return weights * 1.01 + magnitude * (2**-8 * 1.01 + 2**-22)
 
     @property
