@@ -130,6 +130,7 @@ def test_screened_output_layer_is_batch_invariant_past_one_gemm_call():
     alone = torch.cat([layer(x[r:r + 1]) for r in range(len(x))])
     for n in (2, 6, 16, SCREEN_ROWS, SCREEN_ROWS + 9):
         assert torch.equal(layer(x[:n]), alone[:n]), n
+    assert layer.rows_invariant()  # the load-time check output_layer_16bit runs agrees
     assert layer.nbytes == w.numel() * 2
 
 

@@ -237,6 +237,16 @@ class ScreenedOutputLayer:
                    + self.gamma * (norm + rounding_norm) * self.max_norm)
         return weights * 1.01 + magnitude * (2**-8 * 1.01 + 2**-22)
 
+    def rows_invariant(self) -> bool:
+        """Whether oneDNN's bf16 GEMM gives rows the same bits alone as in calls of up to SCREEN_ROWS rows here.
+
+        Measured with torch 2.13 on one AMX machine, so checked again where the layer is built (about 30 ms).
+        """
+        x = torch.randn(SCREEN_ROWS, self.weight16.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+        gemm = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")  # noqa: E731
+        full, six = gemm(x), gemm(x[:6])
+        return torch.equal(six, full[:6]) and all(torch.equal(gemm(x[r:r + 1]), full[r:r + 1]) for r in (0, 5, SCREEN_ROWS - 1))
+
     @property
     def nbytes(self) -> int:
         """Bytes one call reads (the bf16 weights; the exact logits read a few rows more)."""
@@ -264,9 +274,16 @@ def candidates(logits: torch.Tensor, threshold: torch.Tensor, block: int = 256) 
 def output_layer_16bit(weight: torch.Tensor):
     """The kernel for an output layer kept in 16 bits: ScreenedOutputLayer with AMX, else Float16Weights.
 
-    Without AMX, oneDNN's bf16 GEMM is emulated or runs on AVX-512 bf16 (not measured for batch invariance).
+    Without AMX, oneDNN's bf16 GEMM is emulated or runs on AVX-512 bf16 (not measured for batch invariance);
+    where its rows turn out not to be batch-invariant, Float16Weights too (with a warning).
     """
-    return ScreenedOutputLayer(weight) if torch.cpu._is_amx_tile_supported() else Float16Weights(weight)
+    if not torch.cpu._is_amx_tile_supported():
+        return Float16Weights(weight)
+    screened = ScreenedOutputLayer(weight)
+    if screened.rows_invariant():
+        return screened
+    warnings.warn("oneDNN's bf16 GEMM is not batch-invariant on this host; the output layer runs fbgemm's fp16 GEMM")
+    return Float16Weights(weight)
 
 
 def scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
