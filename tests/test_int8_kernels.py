@@ -209,3 +209,15 @@ def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, plain_tokens,
     batched, accepted = generate(engine_dir, cases, proposer(), stagger=True)  # 8 in flight, joining step by step
     assert batched == plain
     assert accepted > 0  # drafts were verified in batched calls, not skipped
+
+
+def test_bench_kernels_times_each_output_layer(int8_engines, derived_pair, capsys):
+    from pipeline.apps.bench_kernels import bench_model
+
+    engine = str(int8_engines["int8_sq"])
+    outs = ["screened", "fp16"] if AMX else ["fp16"]
+    bench_model([engine], reps=1, threads=[1], layer_modes=["eager"], output_layers=outs,
+                tokenizer_dir=str(derived_pair[0]), context=32, new=3, batch=2)
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {engine} | eager |")]
+    assert [r[2] for r in rows] == outs + outs  # the forwards table, then the profiler's, one row per output layer
+    assert all(r[3] == "1" and r[-1].endswith("% |") for r in rows[:len(outs)])  # 1 thread; a roofline share
