@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pipeline.apps.host import cpu_summary
 from pipeline.reference.checkpoint import quantize_int8
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
-                                      Int8WeightOnly, ScreenedOutputLayer, scale_rows, wide_layout)
+                                      Int8WeightOnly, ScreenedOutputLayer, bf16_gemm, scale_rows, wide_layout)
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
 ROWS = (1, 2, 4, 6, 8, 16)
@@ -121,7 +121,7 @@ def onednn_int8_per_token(w: torch.Tensor):
 def onednn_bf16_packed(w: torch.Tensor, rows: int = 6):
     """bf16 weights packed for oneDNN (AMX tiles where present); bf16 in and out, fp32 sums inside."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
+    return lambda x: bf16_gemm(x.bfloat16(), packed)
 
 
 def int8_project(kernel_cls):
@@ -246,10 +246,11 @@ def context_ids(tokenizer_dir: str | None, n: int) -> list[int]:
 def output_layer_variants(model, names: list[str]) -> dict:
     """{name: output-layer kernel} for a model whose output layer is kept in 16 bits ("screened": ScreenedOutputLayer,
     "fp16": Float16Weights); a float32 model keeps its own, named "fp32"."""
-    if isinstance(model.lm_head_linear, DenseLinear):
-        return {"fp32": model.lm_head_linear}
+    loaded = model.lm_head_linear
+    if isinstance(loaded, DenseLinear):
+        return {"fp32": loaded}
     kinds = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
-    return {name: kinds[name](model.lm_head) for name in names}
+    return {name: loaded if type(loaded) is kinds[name] else kinds[name](model.lm_head) for name in names}
 
 
 def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str],
@@ -332,14 +333,16 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
             print(f"| {d} | {mode} | {out} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
                   f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
-    first_out = {d: out for d, _mode, out in reversed(variants)}
-    for (d, mode, out) in variants:  # per-repeat ratios against the first variant: all ran back to back in every repeat
-        base = (d, "eager", first_out[d])
-        if (d, mode, out) != base and base in variants:
+    first = {}  # engine -> its first variant, the base of the per-repeat ratios
+    for key in variants:
+        first.setdefault(key[0], key)
+    for (d, mode, out) in variants:  # per-repeat ratios: all variants ran back to back in every repeat
+        base = first[d]
+        if (d, mode, out) != base:
             for t in threads:
                 new, old = times[((d, mode, out), t, cases[0])], times[(base, t, cases[0])]
                 ratios = sorted(a / b for a, b in zip(new, old))
-                print(f"{d}, {t} thread(s): 1 token {mode} with {out} output / eager with {base[2]} output, per repeat: "
+                print(f"{d}, {t} thread(s): 1 token {mode} with {out} output / {base[1]} with {base[2]} output, per repeat: "
                       f"median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times "
                       f"{min(new) * 1000:.1f} against {min(old) * 1000:.1f} ms")
     torch.set_num_threads(threads[0])
