@@ -314,40 +314,41 @@ def test_batched_one_token_rows_match_each_alone(tiny_llama):
         torch.testing.assert_close(row, full_logits(model, s)[-1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_size", [(4, 2, 16), (9, 3, 64)])  # the tiny Llama; SmolLM2-135M
-def test_sdpa_row_alone_in_its_batch_element_ignores_aligned_padding_and_neighbours(heads, kv_heads, head_size):
-    """What batch-invariant attention relies on, over many key counts: torch's CPU SDPA gives a query row that is
-    alone in its batch element the same bits over its L visible keys whatever the KEY_ALIGN-aligned key count
-    (masked padding) and whatever the other batch elements hold, as plain one-token decoding computes it; on one
-    thread, as exact mode runs (on two, a row in a batch of several rounds differently from the row alone)."""
+@pytest.mark.parametrize("heads, kv_heads, head_size, dtype", [(4, 2, 16, torch.float32), (9, 3, 64, torch.float32),
+                                                              (9, 3, 64, torch.bfloat16)])  # tiny Llama; SmolLM2-135M
+def test_sdpa_row_alone_in_its_batch_element_ignores_its_neighbours(heads, kv_heads, head_size, dtype):
+    """What batch-invariant attention relies on, over many key counts: torch's CPU SDPA gives a token that is alone in
+    its batch element (its query heads of each KV head as that head's query rows) over S = L aligned to KEY_ALIGN
+    keys, L visible, the same bits whatever the other batch elements of the call hold, as plain one-token decoding
+    computes it; on one thread, as exact mode runs. (Over a different key count the bits may change: from 400 keys
+    on they do, for 3 query rows per KV head, so each call has exactly the key count of its tokens' own decode.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _check_aligned_rows(heads, kv_heads, head_size)
+        _check_rows_alone(heads, kv_heads, head_size, dtype)
     finally:
         torch.set_num_threads(before)
 
 
-def _check_aligned_rows(heads: int, kv_heads: int, head_size: int) -> None:
+def _check_rows_alone(heads: int, kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(1, kv_heads, 1200, head_size, generator=g)
-    v = torch.randn(1, kv_heads, 1200, head_size, generator=g)
-    q = torch.randn(6, heads, 1, head_size, generator=g)  # [batch, H, one row, D]
+    k = torch.randn(1, kv_heads, 1200, head_size, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, 1200, head_size, generator=g).to(dtype)
+    q = torch.randn(6, kv_heads, heads // kv_heads, head_size, generator=g).to(dtype)  # [batch, KVH, query heads per KV head, D]
 
     def attend(batch: int, S: int, lengths: list[int]) -> torch.Tensor:
         mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # [batch, 1, 1, S]
         return F.scaled_dot_product_attention(q[:batch], k[:, :, :S].expand(batch, -1, -1, -1),
-                                              v[:, :, :S].expand(batch, -1, -1, -1), attn_mask=mask, enable_gqa=True)
+                                              v[:, :, :S].expand(batch, -1, -1, -1), attn_mask=mask)
 
     for L in list(range(1, 80)) + list(range(150, 1100, 29)):
         S = -(-L // KEY_ALIGN) * KEY_ALIGN
         alone = attend(1, S, [L])[0]
         if L == S:  # no padding: the same bits as the unmasked call
-            assert torch.equal(alone, F.scaled_dot_product_attention(q[:1], k[:, :, :L], v[:, :, :L], enable_gqa=True)[0])
-        for extra, batch in ((KEY_ALIGN, 1), (2 * KEY_ALIGN, 6), (5 * KEY_ALIGN, 3), (32 * KEY_ALIGN, 2)):
-            if S + extra <= 1200:
-                others = [1 + (L * 7 + j * 13) % (S + extra) for j in range(1, batch)]
-                assert torch.equal(attend(batch, S + extra, [L] + others)[0], alone), (L, extra, batch)
+            assert torch.equal(alone, F.scaled_dot_product_attention(q[:1], k[:, :, :L], v[:, :, :L])[0])
+        for batch in (2, 3, 6):
+            others = [S - KEY_ALIGN + 1 + (L * 7 + j * 5) % KEY_ALIGN for j in range(1, batch)]  # in L's bucket
+            assert torch.equal(attend(batch, S, [L] + others)[0], alone), (L, batch)
 
 
 def test_verify_rows_and_batched_decodes_equal_plain_decode_steps_bit_for_bit(tiny_llama):
@@ -383,3 +384,19 @@ def test_verify_rows_and_batched_decodes_equal_plain_decode_steps_bit_for_bit(ti
             rows = [SequenceInput([o[-1] if i == 0 else 5], len(o) - 1 + i, tb) for o, tb in zip(others, tables)]
             batched.append(model(rows[:3] + [SequenceInput([t], c + i, scattered)] + rows[3:], kv).logits[3])
         assert torch.equal(torch.stack(batched), steps), c
+
+
+def test_verify_rows_after_long_contexts_equal_plain_decode_steps_bit_for_bit(tiny_llama):
+    """batch_invariant, past the 400 keys where the SDPA kernel's bits start to depend on the key count: each token
+    of a 6-token verify still gives plain decoding's logits bit for bit (its call has its own decode's key count)."""
+    model = LlamaModel.from_hf(tiny_llama, batch_invariant=True)
+    for c in (380, 395, 410, 470, 500):
+        ids = random_ids(c + 6, seed=c)
+        table = blocks_for(0, c + 6)
+        kv = model.new_kv_cache(64, BLOCK)
+        model([SequenceInput(ids[:c], 0, table)], kv)
+        steps = torch.cat([model([SequenceInput([t], c + i, table)], kv).logits for i, t in enumerate(ids[c:])])
+        kv = model.new_kv_cache(64, BLOCK)
+        model([SequenceInput(ids[:c], 0, table)], kv)
+        verify = model([SequenceInput(ids[c:], c, table, logits_rows=list(range(6)))], kv).logits
+        assert torch.equal(verify, steps), c

@@ -372,6 +372,8 @@ def main() -> None:
                         help="part 2's 16-bit output layers: screened (bf16 + exact top, needs AMX), fp16 (fbgemm)")
     parser.add_argument("--modes", default="eager,compiled",
                         help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
+    parser.add_argument("--context", type=int, default=128,
+                        help="part 2's cached tokens before the timed forwards (8 in flight: 5/8 to 10/8 of it)")
     args = parser.parse_args()
     threads = [min(int(t), os.cpu_count() or 1) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
@@ -381,7 +383,8 @@ def main() -> None:
             wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
-            bench_model(args.engines, args.reps, threads, args.modes.split(","), args.output_layers.split(","), args.tokenizer)
+            bench_model(args.engines, args.reps, threads, args.modes.split(","), args.output_layers.split(","), args.tokenizer,
+                        args.context)
 
 
 if __name__ == "__main__":

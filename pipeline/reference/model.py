@@ -15,11 +15,13 @@ weights are dequantized at load (no faster CPU kernel that keeps them, see docs/
 `batch_invariant=True` makes every token's result independent of what else is in the batch
 (bit-for-bit): every linear whose kernel is not batch-invariant by construction runs row by row
 (CPU fp32 GEMM kernels round differently for different row counts), and attention runs every
-token as its own batch element of its sequence's SDPA call, over keys padded with masked keys to a
-multiple of KEY_ALIGN (see there). Serving and the exactness tests (speculative == plain) use it;
-with the int8 kernels it costs little, since their linears take all rows in one call. Off, a
-sequence's new tokens attend as the query rows of one masked SDPA call (cheaper for long contexts,
-but a verify then rounds differently from plain decoding).
+token as its own batch element of an SDPA call whose key count is the one a plain decode of that
+token's slot has (slot + 1, aligned to KEY_ALIGN; see there). Serving and the exactness tests
+(speculative == plain) use it; with the int8 kernels it costs little, since their linears take
+all rows in one call. Tree tokens (Medusa, EAGLE) see their ancestors among masked siblings: close
+to a plain decode of their path, not bit-identical. Off, a sequence's new tokens attend as the
+query rows of one masked SDPA call (cheaper for long contexts, but a verify then rounds
+differently from plain decoding).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
 DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Batch-invariant attention runs every query row as its own SDPA batch element over its keys padded (masked)
-# to a multiple of KEY_ALIGN: torch's CPU SDPA then gives a row the same bits for any such key count, so alone,
-# in a verify or beside other sequences alike. Unaligned key counts (vector tails), and 2 or more query rows per
-# batch element, round differently; so does a batch of rows on two threads (exact mode runs on decode_threads = 1).
-# Measured: docs/engine.md, "Batch invariance"; tests/test_model.py.
+# Batch-invariant attention runs every token as its own SDPA batch element (its query heads of each KV head as
+# that head's query rows) over the key count a plain decode of its slot has, aligned up to KEY_ALIGN with masked
+# keys; tokens with the same count share a call. torch's CPU SDPA gives a batch element the same bits whatever the
+# other elements hold, so a token computes alike alone, in a verify or beside other sequences. Other key counts
+# (from 400 keys on) and two threads round differently (exact mode runs on decode_threads = 1); aligning lets a
+# verify's tokens share one or two calls. Measured: docs/engine.md, "Batch invariance"; tests/test_model.py.
 KEY_ALIGN = 16
 
 
@@ -311,21 +314,28 @@ class LlamaModel(torch.nn.Module):
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_size)
-        for start, end, batch, keys, mask in plan.groups:  # rows start..end-1 as `batch` SDPA batch elements
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
+        out = q.new_empty(q.shape[0], H * D)
+        for rows, batch, keys, mask in plan.groups:  # `rows` of the flat batch as `batch` SDPA batch elements
             if isinstance(keys, slice):  # one sequence over consecutive slots: views, no gather
                 G, S = 1, keys.stop - keys.start
             else:
                 G, S = keys.shape
                 keys = keys.flatten()
             k, v = kv.gather(layer, keys)  # [G * S, KVH, D] each
-            k = k.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)  # [G, KVH, S, D]
-            v = v.view(G, S, self.num_kv_heads, self.head_size).transpose(1, 2)
+            k = k.view(G, S, KVH, D).transpose(1, 2)  # [G, KVH, S, D]
+            v = v.view(G, S, KVH, D).transpose(1, 2)
             if G != batch:  # one sequence's keys for every row: a stride-0 batch view
                 k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
-            qb = q[start:end].view(batch, -1, self.num_heads, self.head_size).transpose(1, 2)  # [batch, H, rows / batch, D]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start:end] = o.transpose(1, 2).reshape(end - start, -1)
+            qr = q[rows]  # [n, H, D]
+            if batch == qr.shape[0]:
+                # one row per batch element: its H // KVH query heads of each KV head are that head's query rows
+                # (q head h reads KV head h // (H // KVH), as enable_gqa), so every call computes a row alike
+                o = F.scaled_dot_product_attention(qr.view(batch, KVH, H // KVH, D), k, v, attn_mask=mask, scale=self.scale)
+            else:  # one batch element, the sequence's new tokens as its query rows
+                qb = qr.view(1, -1, H, D).transpose(1, 2)  # [1, H, n, D]
+                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True).transpose(1, 2)
+            out[rows] = o.reshape(qr.shape[0], -1)
         return out
 
 
@@ -345,19 +355,27 @@ class _AttentionPlan:
     token_ids: list[int]
     positions: list[int]
     slots: torch.Tensor  # [T] cache slot of every new token
-    # (row start, row end, batch, keys, mask): one SDPA call for rows start..end-1 of the flat batch, as `batch`
-    # batch elements of (end - start) / batch query rows each. keys: a slice of S consecutive cache slots, or
-    # slots [G, S] (G = 1 or batch); mask [batch, 1, rows / batch, S] or [rows, S] (True = attend), None: all visible
-    groups: list[tuple[int, int, int, torch.Tensor | slice, torch.Tensor | None]]
+    # (rows, batch, keys, mask): one SDPA call for `rows` of the flat batch (a slice or row indices [n]) as `batch`
+    # batch elements: one row each (batch = n), or one element whose n query rows are a sequence's new tokens
+    # (batch = 1). keys: a slice of S consecutive cache slots, or slots [G, S] (G = 1 or batch); mask
+    # [batch, 1, 1, S] or [n, S] (True = attend), None: all visible
+    groups: list[tuple[slice | torch.Tensor, int, torch.Tensor | slice, torch.Tensor | None]]
     pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
-        """The plan of a forward; batch_invariant: every row its own batch element over aligned keys (KEY_ALIGN)."""
+        """The plan of a forward.
+
+        batch_invariant: every row is its own batch element, and its call has exactly the key count a plain
+        decode of its slot has: its slot index + 1, aligned up to KEY_ALIGN (rows of one sequence, or decodes of
+        several, that share that count share a call). So a verify row and a plain decode step of the same token
+        make the same computation, whatever else is in the forward. Else a sequence's new tokens are the query
+        rows of one masked call, and one-token sequences share one call padded to the longest.
+        """
         align = KEY_ALIGN if batch_invariant else 1
         token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
-        decodes: list[tuple[int, torch.Tensor, int]] = []  # consecutive one-token sequences (row, slots, keys): one call
+        decodes: list[tuple[int, torch.Tensor, int]] = []  # one-token sequences (row, slots, key count): grouped last
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -383,22 +401,27 @@ class _AttentionPlan:
             if n == 1:
                 decodes.append((row, all_slots, c + 1))
             else:
-                groups += _decode_group(decodes, block_size, align, pad_slots)
-                decodes = []
                 visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
                 if ancestors is not None:
                     visible[:, c:] = False
                     for i, anc in enumerate(ancestors):
                         visible[i, [c + a for a in anc]] = True
-                keys, S = _slots_or_range(all_slots, c + n, block_size, align, pad_slots)
-                mask = F.pad(visible, (0, S - c - n), value=False)  # [n, S]
-                # batch-invariant: each row its own batch element [n, 1, 1, S]; else n query rows of one [n, S]
-                groups.append((row, row + n, n, keys, mask[:, None, None, :]) if batch_invariant
-                              else (row, row + n, 1, keys, mask))
+                if batch_invariant:
+                    groups += _exact_rows(row, visible, all_slots, block_size, pad_slots)
+                else:
+                    keys, _ = _slots_or_range(all_slots, c + n, block_size, 1, pad_slots)
+                    groups.append((slice(row, row + n), 1, keys, visible))
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
-        groups += _decode_group(decodes, block_size, align, pad_slots)
+        if batch_invariant:  # decodes with the same aligned key count share a call
+            buckets: dict[int, list] = {}
+            for d in decodes:
+                buckets.setdefault(_aligned(d[2], align), []).append(d)
+            for bucket in buckets.values():
+                groups += _decode_group(bucket, block_size, align, pad_slots)
+        else:
+            groups += _decode_group(decodes, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
         return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
@@ -409,10 +432,34 @@ def _aligned(length: int, align: int) -> int:
     return -(-length // align) * align
 
 
+def _rows(rows: list[int]) -> slice | torch.Tensor:
+    """Rows of the flat batch: a slice when consecutive, else their indices."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _exact_rows(row: int, visible: torch.Tensor, all_slots: torch.Tensor, block_size: int,
+                pad_slots: list[torch.Tensor]) -> list[tuple]:
+    """Batch-invariant groups of one sequence's n new tokens (flat rows row..row + n - 1; visible [n, c + n]): new
+    token i is its own batch element over the first _aligned(c + i + 1) keys (the key count of a plain decode of its
+    slot), masked; tokens with the same count share a call."""
+    n, width = visible.shape
+    buckets: dict[int, list[int]] = {}
+    for i in range(n):
+        buckets.setdefault(_aligned(width - n + i + 1, KEY_ALIGN), []).append(i)
+    groups = []
+    for S, members in buckets.items():
+        keys, _ = _slots_or_range(all_slots, min(S, width), block_size, KEY_ALIGN, pad_slots)
+        mask = F.pad(visible[members, :min(S, width)], (0, max(S - width, 0)), value=False)  # [m, S]
+        groups.append((_rows([row + i for i in members]), len(members), keys, mask[:, None, None, :]))
+    return groups
+
+
 def _decode_group(decodes: list[tuple[int, torch.Tensor, int]], block_size: int, align: int,
                   pad_slots: list[torch.Tensor]) -> list[tuple]:
-    """One attention group for consecutive one-token rows (row, the sequence's slots, its key count): one batch
-    element per row, keys padded and masked."""
+    """One attention group for one-token rows (row, the sequence's slots, its key count): one batch element per row,
+    keys padded to the longest and masked."""
     if not decodes:
         return []
     lengths = torch.tensor([length for _, _, length in decodes])
@@ -424,7 +471,7 @@ def _decode_group(decodes: list[tuple[int, torch.Tensor, int]], block_size: int,
         # padding keys repeat each row's first slot (masked: any finite value gives the same bits)
         keys = torch.stack([F.pad(k[:n], (0, S - n), value=int(k[0])) for _, k, n in decodes])  # [B, S]
     mask = None if S == int(lengths.min()) else (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    return [(decodes[0][0], decodes[-1][0] + 1, len(decodes), keys, mask)]
+    return [(_rows([r for r, _, _ in decodes]), len(decodes), keys, mask)]
 
 
 def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int, align: int,
