@@ -260,7 +260,7 @@ class LlamaModel(torch.nn.Module):
         first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
-        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant)
+        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype)
         kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
@@ -358,14 +358,15 @@ class _AttentionPlan:
     # (rows, batch, keys, mask): one SDPA call for `rows` of the flat batch (a slice or row indices [n]) as `batch`
     # batch elements: one row each (batch = n), or one element whose n query rows are a sequence's new tokens
     # (batch = 1). keys: a slice of S consecutive cache slots, or slots [G, S] (G = 1 or batch); mask
-    # [batch, 1, 1, S] or [n, S] (True = attend), None: all visible
+    # [batch, 1, 1, S] or [n, S] (0 = attend, -inf = masked), None: all visible
     groups: list[tuple[slice | torch.Tensor, int, torch.Tensor | slice, torch.Tensor | None]]
     pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool) -> "_AttentionPlan":
-        """The plan of a forward.
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool,
+              dtype: torch.dtype = torch.float32) -> "_AttentionPlan":
+        """The plan of a forward (masks additive, in the compute `dtype`).
 
         batch_invariant: every row is its own batch element, and its call has exactly the key count a plain
         decode of its slot has: its slot index + 1, aligned up to KEY_ALIGN (rows of one sequence, or decodes of
@@ -424,6 +425,9 @@ class _AttentionPlan:
             groups += _decode_group(decodes, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
+        # additive masks, made once for every layer (SDPA would turn a boolean mask into one per call: the same values)
+        groups = [(rows, batch, keys, None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(
+            ~mask, float("-inf"))) for rows, batch, keys, mask in groups]
         return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
 
 
