@@ -8,6 +8,7 @@ import pytest
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving.bls import ROUNDS_BEFORE_ACCEPTANCE_CHECK, SpeculativeDecoder
+from pipeline.serving.errors import Stopped
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings, parse_text_request
 from pipeline.serving.text import load_tokenizer
@@ -141,11 +142,32 @@ def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
     np.testing.assert_allclose(results[3][2], results[0][2], atol=1e-4)
 
 
+class RecordingClient:
+    """The in-process client, recording the requests in flight (`in_flight`) as each non-streaming call (a round's
+    draft or verify) starts; calls pass through to the real engines."""
+
+    def __init__(self, inner: LocalModelClient):
+        self.inner, self.calls = inner, []
+        self.in_flight = lambda: 0
+
+    async def generate(self, model, *args, **kwargs):
+        self.calls.append((model, self.in_flight()))
+        return await self.inner.generate(model, *args, **kwargs)
+
+    def stream(self, *args, **kwargs):
+        return self.inner.stream(*args, **kwargs)
+
+    def round_starts(self, mode: str) -> list[int]:
+        """Requests in flight when each round's first call went out (the draft's, or the target's for prompt lookup)."""
+        first = "tensorrt_llm_draft" if mode == "draft_target" else "tensorrt_llm"
+        return [k for model, k in self.calls if model == first]
+
+
 @pytest.mark.parametrize("mode", ["draft_target", "ngram"])
 def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
-    """max_batch_for_speculation: with 3 requests in flight and a gate of 1 they decode plain chunks (at most the
-    first request's first round, before the others arrive, speculates) and the text is plain's; a lone request
-    under the same gate, or the 3 under a gate of 3, speculate every round."""
+    """max_batch_for_speculation: every round starts while at most `gate` requests are in flight (3 requests under
+    a gate of 1 decode plain chunks, and speculate again only once the others have finished), and the text is
+    plain's; a lone request under the same gate, or the 3 under a gate of 3, speculate every round."""
     runners, tokenizer = engines
     text = "the the the cat sat on the mat and the cat sat on the"
 
@@ -154,7 +176,9 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
                                max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
                                max_batch_for_speculation=gate)
         sink, counts = Rounds(), []
-        decoder = SpeculativeDecoder(settings, LocalModelClient(runners), sink, on_in_flight=counts.append)
+        client = RecordingClient(LocalModelClient(runners))
+        decoder = SpeculativeDecoder(settings, client, sink, on_in_flight=counts.append)
+        client.in_flight = lambda: decoder.in_flight
         inputs = {"text_input": np.array([[text.encode()]], dtype=object),
                   "max_tokens": np.array([[24]], dtype=np.int32), "num_draft_tokens": np.array([[3]], dtype=np.int32)}
         req = parse_text_request(inputs, settings, tokenizer)
@@ -169,7 +193,9 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
 
         outs = asyncio.run(all_of_them())
         assert decoder.in_flight == 0 and counts[-1] == 0 and max(counts) == n  # the gauge saw every request
-        return [tokens for tokens, _ in outs], sum(rounds for _, rounds in outs)  # speculative rounds of all requests
+        first_calls = client.round_starts(mode)  # requests in flight as each round's first call went out
+        assert len(first_calls) == sum(rounds for _, rounds in outs) and all(k <= gate for k in first_calls), first_calls
+        return [tokens for tokens, _ in outs], len(first_calls)  # speculative rounds of all requests
 
     plain, _ = run(local_decoder(runners, mode)[1], tokenizer, local_decoder(runners, mode)[0], text, 24, 0)
     gated, gated_rounds = concurrently(1, 3)
@@ -178,7 +204,7 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
     assert alone == [plain] and rounds >= 6  # 24 tokens, at most 4 per round
     ungated, rounds = concurrently(3, 3)
     assert ungated == [plain] * 3 and rounds >= 18
-    assert gated_rounds <= 1  # only the first request's first round, asked before the others arrived
+    assert gated_rounds <= rounds / 2  # the gated requests spent most of their tokens in plain chunks
 
 
 def test_measured_draft_token_cost_switches_off_a_draft_below_break_even_and_keeps_one_above(engines):
@@ -232,3 +258,27 @@ def test_next_draft_len_follows_the_heuristic_schedule():
 
     assert next_draft_len(4, 4, 4, 8) == 6 and next_draft_len(7, 7, 7, 8) == 8  # full accept: +2, capped
     assert next_draft_len(4, 2, 4, 8) == 3 and next_draft_len(1, 0, 1, 8) == 1  # a rejection: -1, never below 1
+
+
+def test_a_request_cancelled_after_its_first_round_raises_stopped_and_leaves_nothing_running(engines):
+    """A request whose stop() turns true after its first chunk raises Stopped (never a final chunk that looks
+    complete); nothing is left running in the engine, and the next request decodes as before."""
+    runners, tokenizer = engines
+    settings, decoder = local_decoder(runners, "ngram")
+    text = "the the the cat sat on the mat and the cat sat on the"
+    plain, _ = run(decoder, tokenizer, settings, text, 24, 0)
+    req = parse_text_request({"text_input": np.array([[text.encode()]], dtype=object),
+                              "max_tokens": np.array([[24]], dtype=np.int32),
+                              "num_draft_tokens": np.array([[3]], dtype=np.int32)}, settings, tokenizer)
+    chunks = []
+
+    async def collect():
+        async for chunk in decoder.generate(req, lambda: len(chunks) >= 1):
+            chunks.append(chunk)
+
+    with pytest.raises(Stopped):
+        asyncio.run(collect())
+    assert len(chunks) == 1 and chunks[0].token_ids == plain[:len(chunks[0].token_ids)]
+    assert not runners["tensorrt_llm"].engine.has_unfinished()
+    again, _ = run(decoder, tokenizer, settings, text, 24, 3)
+    assert again == plain
