@@ -364,8 +364,7 @@ class _AttentionPlan:
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool,
-              dtype: torch.dtype = torch.float32) -> "_AttentionPlan":
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool, dtype: torch.dtype) -> "_AttentionPlan":
         """The plan of a forward (masks additive, in the compute `dtype`).
 
         batch_invariant: every row is its own batch element, and its call has exactly the key count a plain
@@ -415,14 +414,11 @@ class _AttentionPlan:
             wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
             logits_rows += [row + r for r in wanted]
             row += n
-        if batch_invariant:  # decodes with the same aligned key count share a call
-            buckets: dict[int, list] = {}
-            for d in decodes:
-                buckets.setdefault(_aligned(d[2], align), []).append(d)
-            for bucket in buckets.values():
-                groups += _decode_group(bucket, block_size, align, pad_slots)
-        else:
-            groups += _decode_group(decodes, block_size, align, pad_slots)
+        buckets: dict[int, list] = {}  # batch-invariant: decodes with the same aligned key count share a call; else all
+        for decode in decodes:
+            buckets.setdefault(_aligned(decode[2], align) if batch_invariant else 0, []).append(decode)
+        for bucket in buckets.values():
+            groups += _decode_group(bucket, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
         # additive masks, made once for every layer (SDPA would turn a boolean mask into one per call: the same values)
@@ -464,8 +460,6 @@ def _decode_group(decodes: list[tuple[int, torch.Tensor, int]], block_size: int,
                   pad_slots: list[torch.Tensor]) -> list[tuple]:
     """One attention group for one-token rows (row, the sequence's slots, its key count): one batch element per row,
     keys padded to the longest and masked."""
-    if not decodes:
-        return []
     lengths = torch.tensor([length for _, _, length in decodes])
     if len(decodes) == 1:
         row, all_slots, length = decodes[0]
