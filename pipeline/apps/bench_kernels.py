@@ -25,6 +25,7 @@ torch.profiler: the linear kernels' time against every other op's, and the numbe
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.apps.host import cpu_summary
+from pipeline.reference import int8_grid_gemm
 from pipeline.reference.checkpoint import quantize_int8
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
                                       Int8WeightOnly, ScreenedOutputLayer, bf16_gemm, scale_rows, wide_layout)
@@ -142,13 +144,15 @@ KERNELS = {
     "bf16 oneDNN packed, bf16 output": onednn_bf16_packed,
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
-    "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(Int8PerToken),
+    "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(functools.partial(Int8PerToken, vnni=False)),
     "int8 W8A8 per-token, torch._int_mm": int_mm_per_token,
     "int8 W8A8 per-token, oneDNN qlinear": onednn_int8_per_token,
     "int8 fbgemm dynamic, per-batch act scale": fbgemm_dynamic,
     "int4 packed, bf16 act": lambda w: int4_kernel(w, torch.bfloat16),
     "int4 packed, fp32 act": lambda w: int4_kernel(w, torch.float32),
 }
+if int8_grid_gemm.kernel() is not None:  # AVX512-VNNI: the project's kernel, which Int8PerToken runs here
+    KERNELS["int8 W8A8 per-token (Int8PerToken, VNNI kernel)"] = int8_project(Int8PerToken)
 
 
 def batch_invariant(fns: list, shapes: list[tuple[int, int]]) -> bool:
@@ -207,7 +211,7 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 
 KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
               "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear",
-              "mkldnn::_linear_pointwise")
+              "mkldnn::_linear_pointwise", "specdeploy::int8_grid_gemm")
 
 
 def _is_op(key: str) -> bool:

@@ -13,7 +13,8 @@ tokens in one call instead of row by row, and speculative output still equals pl
   W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
   it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
 - Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic 8-bit activations times int8 weights with
-  int32 accumulation (fbgemm), then the row scale times the channel scale. Integer sums are exact,
+  int32 accumulation (the project's AVX512-VNNI kernel, else fbgemm: the same bits), then the row scale
+  times the channel scale. Integer sums are exact,
   so a row's result cannot depend on the rest of the batch.
 - Float16Weights (float16 engines' layers; the output layer of 16-bit and quantized engines, as
   TensorRT-LLM keeps it in 16 bits, on CPUs without AMX): fbgemm's fp16-weight GEMM, fp32 activations
@@ -29,6 +30,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.reference import int8_grid_gemm
+from pipeline.reference.int8_grid_gemm import PackedInt8
 
 INT8_MAX = 127.0
 GRID_STEP, GRID_ZERO_POINT = 2 / 255, 127  # Int8PerToken's uint8 grid over [-1, 1]
@@ -116,19 +120,19 @@ class Int8PerToken:
     the batch. (Before, a pinning row holding -1 and 1 was appended to the dynamic linear's input to
     force that range: the same results bit for bit, two more ops and a second row per call.)
     Measured 2-3x faster than `torch._int_mm` or oneDNN's qlinear on SmolLM2's shapes for 1-8 rows
-    (`make bench-kernels`). On CPUs without AVX512-VNNI fbgemm's u8 x s8 pairs may saturate in 16 bits
-    (deterministic and per row: results stay batch-invariant, precision drops).
+    (`make bench-kernels`). On CPUs with AVX512-VNNI the GEMM runs on the project's own kernel
+    (`int8_grid_gemm`): fbgemm's bits, but the weights read once per call whatever the row count, so a
+    verify's rows cost little more than one. On CPUs without AVX512-VNNI fbgemm's u8 x s8 pairs may
+    saturate in 16 bits (deterministic and per row: results stay batch-invariant, precision drops).
     """
 
     batch_invariant = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 smoother: torch.Tensor | None = None):
-        with warnings.catch_warnings():  # torch deprecates quantized tensor creation; fbgemm's prepack still takes one
-            warnings.simplefilter("ignore")
-            qweight = torch._make_per_channel_quantized_tensor(q.contiguous(), scale.double(),
-                                                               torch.zeros(len(scale), dtype=torch.long), 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+                 smoother: torch.Tensor | None = None, vnni: bool = True):
+        use_vnni = vnni and int8_grid_gemm.kernel() is not None  # vnni=False: fbgemm even where the kernel runs
+        self.vnni = PackedInt8(q, scale, GRID_STEP, GRID_ZERO_POINT) if use_vnni else None
+        self.packed = None if self.vnni else fbgemm_prepack(q, scale)
         self.bias = bias
         self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
         self.weight_nbytes = q.numel() + scale.numel() * 4
@@ -142,7 +146,12 @@ class Int8PerToken:
         return y if self.bias is None else y + self.bias
 
     def grid_gemm(self, x_unit: torch.Tensor) -> torch.Tensor:
-        """fbgemm's GEMM [T, out] float32 of rows already divided by their row scale (`scale_rows`), unscaled."""
+        """The GEMM [T, out] float32 of rows already divided by their row scale (`scale_rows`), unscaled.
+
+        The project's VNNI kernel where it runs (`int8_grid_gemm`), else fbgemm's: the same bits.
+        """
+        if self.vnni is not None:
+            return self.vnni(x_unit)
         return _fixed_grid_linear(x_unit, GRID_STEP, GRID_ZERO_POINT, self.packed)
 
     @property
@@ -290,6 +299,15 @@ def output_layer_16bit(weight: torch.Tensor):
         return screened
     warnings.warn("oneDNN's bf16 GEMM is not batch-invariant on this host; the output layer runs fbgemm's fp16 GEMM")
     return Float16Weights(weight)
+
+
+def fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):
+    """fbgemm's packed weight (a TorchScript object) for int8 q [out, in] with per-channel scales."""
+    with warnings.catch_warnings():  # torch deprecates quantized tensor creation; fbgemm's prepack still takes one
+        warnings.simplefilter("ignore")
+        qweight = torch._make_per_channel_quantized_tensor(q.contiguous(), scale.double(),
+                                                           torch.zeros(len(scale), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qweight, None)
 
 
 def scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,129 @@
+// Int8PerToken's GEMM on AVX512-VNNI: x_unit [M, K] float32 in [-1, 1] rounded on the fixed uint8 grid,
+// times int8 per-channel weights with exact int32 sums, times (grid step * channel scale).
+//
+// Bit for bit what fbgemm's `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` returns on a VNNI
+// CPU (tests/test_int8_grid_gemm.py): the same rounding (`round_on_grid`), exact sums (vpdpbusd: uint8 x int8 into int32, no 16-bit saturation), and the same
+// epilogue, float(sum - zero_point * column sum) * float(step * scale). A row's result depends on that
+// row alone. What differs is the cost: the weights are read once per call whatever the row count
+// (rows run in register blocks of up to 6 over a 64-channel group while it sits in L1/L2), where
+// fbgemm's cost grows with the rows (docs/benchmarks.md).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t GROUP = 64;   // output channels per group: 4 zmm accumulators of 16 int32
+constexpr int BLOCKS = 4;       // GROUP / 16
+constexpr int MAX_ROWS = 6;     // rows per register block: 6 x 4 accumulators + 4 weight registers
+
+// Rows [R, Kp] uint8 times one group's weights [K4, 64, 4] int8 -> acc[R][BLOCKS], exact int32 sums.
+template <int R>
+void group_sums(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, __m512i acc[R][BLOCKS]) {
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const int8_t* wk = w + k4 * GROUP * 4;
+    for (int b = 0; b < BLOCKS; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * GROUP * 4 + 64 * b), _MM_HINT_T0);
+    __m512i wv[BLOCKS];
+    for (int b = 0; b < BLOCKS; ++b) wv[b] = _mm512_loadu_si512(wk + 64 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * Kp + k4 * 4));
+      for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], a, wv[b]);
+    }
+  }
+}
+
+// out[r, n0 + j] = float(sum - offset[j]) * multiplier[j] for the group's 64 channels (the last group masked).
+template <int R>
+void group_rows(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, const int32_t* offset,
+                const float* multiplier, float* out, int64_t N, int64_t n0) {
+  __m512i acc[R][BLOCKS];
+  group_sums<R>(xq, Kp, w, K4, acc);
+  for (int b = 0; b < BLOCKS; ++b) {
+    const int64_t j = n0 + 16 * b;
+    if (j >= N) break;
+    const __mmask16 mask = N - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - j)) - 1);
+    const __m512i off = _mm512_maskz_loadu_epi32(mask, offset + j);
+    const __m512 mul = _mm512_maskz_loadu_ps(mask, multiplier + j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], off));
+      _mm512_mask_storeu_ps(out + r * N + j, mask, _mm512_mul_ps(raw, mul));
+    }
+  }
+}
+
+// x [M, K] -> uint8 [M, Kp] as fbgemm rounds its input (measured on every column, its scalar tail too):
+// fma(x, 1 / step, zero point) with one rounding, clamped to [0, 255], then to the nearest integer (ties
+// to even). Padding columns hold the zero point (their weights are 0).
+void round_on_grid(const float* x, int64_t M, int64_t K, int64_t Kp, float step, int32_t zero_point, uint8_t* q) {
+  const __m512 inv = _mm512_set1_ps(1.0f / step), zp = _mm512_set1_ps(float(zero_point));
+  const __m512 lo = _mm512_set1_ps(0.0f), hi = _mm512_set1_ps(255.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    uint8_t* qr = q + m * Kp;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, xr + k), inv, zp), lo), hi);
+      _mm_mask_storeu_epi8(qr + k, mask, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));  // rounds to nearest even
+    }
+    std::fill(qr + K, qr + Kp, uint8_t(zero_point));
+  }
+}
+
+}  // namespace
+
+// int8 [N, K] -> [ceil(N / 64), ceil(K / 4), 64, 4]: each (group, k quad) one 256-byte stretch, zero-padded.
+at::Tensor pack(at::Tensor q) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2, "pack: q must be int8 [out, in]");
+  const int64_t N = q.size(0), K = q.size(1);
+  const int64_t Np = (N + GROUP - 1) / GROUP * GROUP, Kp = (K + 3) / 4 * 4;
+  auto padded = at::zeros({Np, Kp}, q.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
+  return padded.view({Np / GROUP, GROUP, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x_unit float32 [M, K] -> float32 [M, N]; offset = zero_point * column sums (int32 [N]),
+// multiplier = float(step * channel scale) ([N]).
+at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
+                        double step, int64_t zero_point) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0);
+  const int64_t G = packed.size(0), K4 = packed.size(1), Kp = K4 * 4;
+  TORCH_CHECK(Kp >= K && Kp - K < 4 && G * GROUP >= N, "grid_gemm: x's columns do not match the packed weight");
+  auto xq = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xq.data_ptr<uint8_t>());
+  auto out = at::empty({M, N}, x.options());
+  const uint8_t* qp = xq.data_ptr<uint8_t>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* off = offset.data_ptr<int32_t>();
+  const float* mul = multiplier.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* w = wp + g * K4 * GROUP * 4;
+      for (int64_t m = 0; m < M; m += MAX_ROWS) {
+        const uint8_t* xr = qp + m * Kp;
+        float* orow = op + m * N;
+        switch (std::min<int64_t>(MAX_ROWS, M - m)) {
+          case 1: group_rows<1>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+          case 2: group_rows<2>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+          case 3: group_rows<3>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+          case 4: group_rows<4>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+          case 5: group_rows<5>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+          default: group_rows<6>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(specdeploy, m) {
+  m.def("int8_pack(Tensor q) -> Tensor", &pack);
+  m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, float step, int zero_point) -> Tensor",
+        &grid_gemm);
+}

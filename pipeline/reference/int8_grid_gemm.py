@@ -1,0 +1,77 @@
+"""Int8PerToken's GEMM as the project's own AVX512-VNNI kernel (csrc/int8_grid_gemm.cpp), where the CPU has it.
+
+It returns fbgemm's results bit for bit (the same grid rounding, exact int32 sums, the same epilogue;
+tests/test_int8_grid_gemm.py) but reads the weights once per call whatever the row count, so a verify's
+6 rows cost about what one row does: over SmolLM2's 120 layer matrices, one thread, cold cache, 9.8
+against fbgemm's 13.3 ms for one row and 12.5 against 22.0 ms for six (docs/benchmarks.md). The source
+is compiled once per machine by torch's C++ extension loader (gcc and ninja, about 25 s; later
+processes load the cached library). On CPUs without AVX512-VNNI, or where it cannot be built, `kernel()`
+is None and Int8PerToken stays on fbgemm.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
+SOURCE = Path(__file__).parent / "csrc" / "int8_grid_gemm.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+log = logging.getLogger(__name__)
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (Linux: /proc/cpuinfo's flags)."""
+    try:
+        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def kernel():
+    """`torch.ops.specdeploy` with `int8_pack` and `int8_grid_gemm` built and loaded, or None where they
+    cannot run here (no AVX512-VNNI, REFERENCE_INT8_KERNEL=0, or the build failed: logged once)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if not cpu_has_vnni():
+        log.info("no AVX512-VNNI on this CPU: int8_sq GEMMs run on fbgemm")
+        return None
+    try:
+        import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    try:
+        from torch.utils.cpp_extension import load_inline
+        load_inline("specdeploy_int8_grid_gemm", cpp_sources=[SOURCE.read_text()], extra_cflags=FLAGS,
+                    is_python_module=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: fbgemm still works
+        log.warning("could not build the int8 kernel (%s); int8_sq GEMMs run on fbgemm", error)
+        return None
+    return torch.ops.specdeploy
+
+
+class PackedInt8:
+    """One int8 weight [out, in] with per-channel scales, packed for `torch.ops.specdeploy.int8_grid_gemm`."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int):
+        ext = kernel()
+        self.packed = ext.int8_pack(q.contiguous())  # int8 [ceil(out/64), ceil(in/4), 64, 4]
+        self.offset = (zero_point * q.int().sum(dim=1)).to(torch.int32)  # [out]: zero point x column sums
+        self.multiplier = (torch.tensor(step, dtype=torch.float32) * scale.float()).contiguous()  # [out]
+        self.step, self.zero_point = step, zero_point
+
+    def __call__(self, x_unit: torch.Tensor) -> torch.Tensor:
+        """x_unit [T, in] float32 in [-1, 1] -> [T, out] float32, unscaled by the row scale."""
+        return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier, self.step, self.zero_point)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.offset, self.multiplier))
