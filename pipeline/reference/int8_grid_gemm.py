@@ -1,12 +1,15 @@
-"""Int8PerToken's GEMM as the project's own AVX512-VNNI kernel (csrc/int8_grid_gemm.cpp), where the CPU has it.
+"""Int8PerToken's GEMM as the project's own kernel (csrc/int8_grid_gemm.cpp) where the CPU has AVX512-VNNI.
 
 It returns fbgemm's results bit for bit (the same grid rounding, exact int32 sums, the same epilogue;
 tests/test_int8_grid_gemm.py) but reads the weights once per call whatever the row count, so a verify's
-6 rows cost about what one row does: over SmolLM2's 120 layer matrices, one thread, cold cache, 9.8
-against fbgemm's 13.3 ms for one row and 12.5 against 22.0 ms for six (docs/benchmarks.md). The source
-is compiled once per machine by torch's C++ extension loader (gcc and ninja, about 25 s; later
-processes load the cached library). On CPUs without AVX512-VNNI, or where it cannot be built, `kernel()`
-is None and Int8PerToken stays on fbgemm.
+rows cost about what one row does. Over SmolLM2's 120 layer matrices (one thread, cold cache): one row
+9.1-9.8 ms against fbgemm's 13.3-13.9, six rows 10.3 against 22.0, 24 rows 12.7 against 28.5
+(docs/benchmarks.md). Calls of AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX-INT8
+(flat up to 16 rows); fewer rows, or CPUs without AMX, on AVX512-VNNI register blocks.
+
+The source is compiled once per machine by torch's C++ extension loader (gcc >= 11 and ninja, about 25 s;
+later processes load the cached library). On CPUs without AVX512-VNNI, or where it cannot be built,
+`kernel()` is None and Int8PerToken stays on fbgemm.
 """
 
 from __future__ import annotations
@@ -20,17 +23,32 @@ import torch
 
 ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
 SOURCE = Path(__file__).parent / "csrc" / "int8_grid_gemm.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
+# Calls of this many rows or more run on AMX tiles (where the CPU has AMX-INT8): measured over SmolLM2's layer
+# matrices, AMX / VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24.
+AMX_MIN_ROWS = 4
 
 log = logging.getLogger(__name__)
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (Linux: /proc/cpuinfo's flags)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux: /proc/cpuinfo; empty elsewhere)."""
     try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split())
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI, which the kernel needs."""
+    return "avx512_vnni" in cpu_flags()
+
+
+def amx_min_rows() -> int:
+    """The row count from which calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX-INT8, else 0 (never)."""
+    return AMX_MIN_ROWS if "amx_int8" in cpu_flags() else 0
 
 
 @functools.cache
@@ -62,14 +80,15 @@ class PackedInt8:
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int):
         ext = kernel()
-        self.packed = ext.int8_pack(q.contiguous())  # int8 [ceil(out/64), ceil(in/4), 64, 4]
+        self.packed = ext.int8_pack(q.contiguous())  # int8 [ceil(out/64), ceil(in/64) * 16, 64, 4]
         self.offset = (zero_point * q.int().sum(dim=1)).to(torch.int32)  # [out]: zero point x column sums
         self.multiplier = (torch.tensor(step, dtype=torch.float32) * scale.float()).contiguous()  # [out]
-        self.step, self.zero_point = step, zero_point
+        self.in_features, self.step, self.zero_point, self.amx_min_rows = q.shape[1], step, zero_point, amx_min_rows()
 
     def __call__(self, x_unit: torch.Tensor) -> torch.Tensor:
         """x_unit [T, in] float32 in [-1, 1] -> [T, out] float32, unscaled by the row scale."""
-        return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier, self.step, self.zero_point)
+        return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier, self.in_features,
+                                                   self.step, self.zero_point, self.amx_min_rows)
 
     @property
     def nbytes(self) -> int:

@@ -1,23 +1,29 @@
-// Int8PerToken's GEMM on AVX512-VNNI: x_unit [M, K] float32 in [-1, 1] rounded on the fixed uint8 grid,
-// times int8 per-channel weights with exact int32 sums, times (grid step * channel scale).
+// Int8PerToken's GEMM on AVX512-VNNI and AMX: x_unit [M, K] float32 in [-1, 1] rounded on the fixed uint8
+// grid, times int8 per-channel weights with exact int32 sums, times (grid step * channel scale).
 //
 // Bit for bit what fbgemm's `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` returns on a VNNI
-// CPU (tests/test_int8_grid_gemm.py): the same rounding (`round_on_grid`), exact sums (vpdpbusd: uint8 x int8 into int32, no 16-bit saturation), and the same
-// epilogue, float(sum - zero_point * column sum) * float(step * scale). A row's result depends on that
-// row alone. What differs is the cost: the weights are read once per call whatever the row count
-// (rows run in register blocks of up to 6 over a 64-channel group while it sits in L1/L2), where
-// fbgemm's cost grows with the rows (docs/benchmarks.md).
+// CPU (tests/test_int8_grid_gemm.py): the same rounding (`round_on_grid`), exact sums (uint8 x int8 into
+// int32 with no 16-bit saturation, on either path), and the same epilogue, float(sum - zero_point * column
+// sum) * float(step * scale). A row's result depends on that row alone, whichever path ran it. What
+// differs is the cost: the weights are read once per call whatever the row count, where fbgemm's cost
+// grows with the rows. Calls of fewer than `amx_min_rows` rows run in AVX512-VNNI register blocks of up to
+// 6 rows over a 64-channel group while it sits in L1/L2; larger ones on AMX tiles of 16 rows, whose cost
+// hardly grows up to 16 rows (docs/benchmarks.md has the measurements behind the threshold).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
 constexpr int64_t GROUP = 64;   // output channels per group: 4 zmm accumulators of 16 int32
 constexpr int BLOCKS = 4;       // GROUP / 16
 constexpr int MAX_ROWS = 6;     // rows per register block: 6 x 4 accumulators + 4 weight registers
+constexpr int64_t K_ALIGN = 64; // packed columns: whole AMX tiles (64 bytes of a row)
+constexpr int64_t AMX_ROWS = 16;  // rows per AMX block
 
 // Rows [R, Kp] uint8 times one group's weights [K4, 64, 4] int8 -> acc[R][BLOCKS], exact int32 sums.
 template <int R>
@@ -73,13 +79,67 @@ void round_on_grid(const float* x, int64_t M, int64_t K, int64_t Kp, float step,
   }
 }
 
+
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux keeps AMX's tile data off until a process asks (once per process).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// R (<= 16) rows [R, Kp] uint8 times one group's weights on AMX tiles: tmm0-3 the 4 channel blocks' sums,
+// tmm4 the rows' 64 columns, tmm5-7 the weights' [16 k quads, 16 channels x 4]; then the epilogue.
+void amx_group_rows(int64_t R, const uint8_t* xq, int64_t Kp, const int8_t* w, const int32_t* offset,
+                    const float* multiplier, float* out, int64_t N, int64_t n0) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t kc = 0; kc < Kp / 64; ++kc) {
+    const int8_t* wk = w + kc * 16 * GROUP * 4;
+    _tile_loadd(4, xq + kc * 64, Kp);
+    _tile_loadd(5, wk, GROUP * 4);
+    _tile_dpbusd(0, 4, 5);
+    _tile_loadd(6, wk + 64, GROUP * 4);
+    _tile_dpbusd(1, 4, 6);
+    _tile_loadd(7, wk + 128, GROUP * 4);
+    _tile_dpbusd(2, 4, 7);
+    _tile_loadd(5, wk + 192, GROUP * 4);
+    _tile_dpbusd(3, 4, 5);
+  }
+  alignas(64) int32_t sums[AMX_ROWS * GROUP];
+  _tile_stored(0, sums, GROUP * 4);
+  _tile_stored(1, sums + 16, GROUP * 4);
+  _tile_stored(2, sums + 32, GROUP * 4);
+  _tile_stored(3, sums + 48, GROUP * 4);
+  for (int b = 0; b < BLOCKS; ++b) {
+    const int64_t j = n0 + 16 * b;
+    if (j >= N) break;
+    const __mmask16 mask = N - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - j)) - 1);
+    const __m512i off = _mm512_maskz_loadu_epi32(mask, offset + j);
+    const __m512 mul = _mm512_maskz_loadu_ps(mask, multiplier + j);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums + r * GROUP + 16 * b), off));
+      _mm512_mask_storeu_ps(out + r * N + j, mask, _mm512_mul_ps(raw, mul));
+    }
+  }
+}
+
+void amx_configure(int64_t R) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) { config.rows[t] = uint8_t(t < 5 ? R : 16); config.colsb[t] = 64; }
+  _tile_loadconfig(&config);
+}
+
 }  // namespace
 
-// int8 [N, K] -> [ceil(N / 64), ceil(K / 4), 64, 4]: each (group, k quad) one 256-byte stretch, zero-padded.
+// int8 [N, K] -> [ceil(N / 64), ceil(K / 64) * 16, 64, 4]: each (group, k quad) one 256-byte stretch, zero-padded.
 at::Tensor pack(at::Tensor q) {
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2, "pack: q must be int8 [out, in]");
   const int64_t N = q.size(0), K = q.size(1);
-  const int64_t Np = (N + GROUP - 1) / GROUP * GROUP, Kp = (K + 3) / 4 * 4;
+  const int64_t Np = (N + GROUP - 1) / GROUP * GROUP, Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN;
   auto padded = at::zeros({Np, Kp}, q.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
   return padded.view({Np / GROUP, GROUP, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
@@ -88,13 +148,15 @@ at::Tensor pack(at::Tensor q) {
 // x_unit float32 [M, K] -> float32 [M, N]; offset = zero_point * column sums (int32 [N]),
 // multiplier = float(step * channel scale) ([N]).
 at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
-                        double step, int64_t zero_point) {
+                        int64_t in_features, double step, int64_t zero_point, int64_t amx_min_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = offset.size(0);
   const int64_t G = packed.size(0), K4 = packed.size(1), Kp = K4 * 4;
-  TORCH_CHECK(Kp >= K && Kp - K < 4 && G * GROUP >= N, "grid_gemm: x's columns do not match the packed weight");
-  auto xq = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  TORCH_CHECK(K == in_features && Kp >= K && G * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ", in_features);
+  const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_permitted();
+  const int64_t Mp = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // AMX reads whole 16-row tiles
+  auto xq = at::full({Mp, Kp}, zero_point, x.options().dtype(at::kByte));
   round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xq.data_ptr<uint8_t>());
   auto out = at::empty({M, N}, x.options());
   const uint8_t* qp = xq.data_ptr<uint8_t>();
@@ -103,6 +165,14 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
   const float* mul = multiplier.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    if (amx) {  // whole 16-row tiles (xq's padding rows hold the zero point; their sums are not stored)
+      amx_configure(AMX_ROWS);
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t m = 0; m < M; m += AMX_ROWS)
+          amx_group_rows(std::min(AMX_ROWS, M - m), qp + m * Kp, Kp, wp + g * K4 * GROUP * 4, off, mul, op + m * N, N, g * GROUP);
+      _tile_release();
+      return;
+    }
     for (int64_t g = g0; g < g1; ++g) {
       const int8_t* w = wp + g * K4 * GROUP * 4;
       for (int64_t m = 0; m < M; m += MAX_ROWS) {
@@ -124,6 +194,6 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
 
 TORCH_LIBRARY(specdeploy, m) {
   m.def("int8_pack(Tensor q) -> Tensor", &pack);
-  m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, float step, int zero_point) -> Tensor",
+  m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point, int amx_min_rows) -> Tensor",
         &grid_gemm);
 }
