@@ -4,7 +4,7 @@ It returns fbgemm's results bit for bit (the same grid rounding, exact int32 sum
 tests/test_int8_grid_gemm.py) but reads the weights once per call whatever the row count, so a verify's
 rows cost about what one row does. Over SmolLM2's 120 layer matrices (one thread, cold cache): one row
 9.1-9.8 ms against fbgemm's 13.3-13.9, six rows 10.3 against 22.0, 24 rows 12.7 against 28.5
-(docs/benchmarks.md). Calls of AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX-INT8
+(docs/benchmarks.md). Calls of AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX
 (flat up to 16 rows); fewer rows, or CPUs without AMX, on AVX512-VNNI register blocks.
 
 The source is compiled once per machine by torch's C++ extension loader (gcc >= 11 and ninja, about 25 s;
@@ -24,31 +24,21 @@ import torch
 ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
 SOURCE = Path(__file__).parent / "csrc" / "int8_grid_gemm.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
-# Calls of this many rows or more run on AMX tiles (where the CPU has AMX-INT8): measured over SmolLM2's layer
+# Calls of this many rows or more run on AMX tiles (where the CPU has AMX): measured over SmolLM2's layer
 # matrices, AMX / VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24.
 AMX_MIN_ROWS = 4
 
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux: /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split())
-
-
 def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI, which the kernel needs."""
-    return "avx512_vnni" in cpu_flags()
+    """Whether this CPU has AVX512-VNNI, which the kernel needs (torch's detector)."""
+    return torch.cpu._is_vnni_supported()
 
 
 def amx_min_rows() -> int:
-    """The row count from which calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX-INT8, else 0 (never)."""
-    return AMX_MIN_ROWS if "amx_int8" in cpu_flags() else 0
+    """The row count from which calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX, else 0 (never)."""
+    return AMX_MIN_ROWS if torch.cpu._is_amx_tile_supported() else 0
 
 
 @functools.cache
@@ -89,8 +79,3 @@ class PackedInt8:
         """x_unit [T, in] float32 in [-1, 1] -> [T, out] float32, unscaled by the row scale."""
         return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier, self.in_features,
                                                    self.step, self.zero_point, self.amx_min_rows)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one call reads."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.offset, self.multiplier))

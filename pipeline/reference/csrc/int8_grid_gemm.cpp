@@ -156,8 +156,9 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
   TORCH_CHECK(K == in_features && Kp >= K && G * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ", in_features);
   const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_permitted();
   const int64_t Mp = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // AMX reads whole 16-row tiles
-  auto xq = at::full({Mp, Kp}, zero_point, x.options().dtype(at::kByte));
+  auto xq = at::empty({Mp, Kp}, x.options().dtype(at::kByte));
   round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xq.data_ptr<uint8_t>());
+  std::fill(xq.data_ptr<uint8_t>() + M * Kp, xq.data_ptr<uint8_t>() + Mp * Kp, uint8_t(zero_point));
   auto out = at::empty({M, N}, x.options());
   const uint8_t* qp = xq.data_ptr<uint8_t>();
   const int8_t* wp = packed.data_ptr<int8_t>();
