@@ -15,7 +15,7 @@ from pipeline.reference.linear import GRID_STEP, GRID_ZERO_POINT, Int8PerToken, 
 needs_kernel = pytest.mark.skipif(not int8_grid_gemm.cpu_has_vnni(), reason="the kernel needs AVX512-VNNI")
 # the kernel's two paths: AVX512-VNNI register blocks (AMX never: 0) and AMX tiles (from one row: 1)
 paths = pytest.mark.parametrize("amx_min_rows", [0, pytest.param(1, marks=pytest.mark.skipif(
-    "amx_int8" not in int8_grid_gemm.cpu_flags(), reason="no AMX-INT8 on this CPU"))], ids=["vnni", "amx"])
+    not torch.cpu._is_amx_tile_supported(), reason="no AMX on this CPU"))], ids=["vnni", "amx"])
 
 
 def fbgemm_grid_gemm(x_unit: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

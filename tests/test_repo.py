@@ -271,7 +271,7 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
     first = measured_draft_token_cost(plan, target, draft)
     memo_path = spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text())
-    (key,) = [k for k in memo if k.endswith(f"K={spec.speculative.num_draft_tokens}")]
+    (key,) = [k for k in memo if f"K={spec.speculative.num_draft_tokens} on " in k]
     memo[key] = first + 1.0  # what the file says is what the next assembly uses: nothing is measured again
     memo_path.write_text(json.dumps(memo))
     try:
@@ -279,3 +279,21 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
     finally:
         memo[key] = first
         memo_path.write_text(json.dumps(memo))
+
+
+def test_draft_token_cost_is_measured_again_with_the_other_int8_kernel(tiny_spec_engines, monkeypatch):
+    """The memo's key names the CPU and the int8 kernel switch: a cost timed on other kernels is not reused."""
+    from pipeline.reference import int8_grid_gemm
+    from pipeline.repo.assemble import measured_draft_token_cost
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
+    plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    measured_draft_token_cost(plan, target, draft)
+    memo_path = spec.out_dir / "draft_token_cost.json"
+    before = set(json.loads(memo_path.read_text()))
+    monkeypatch.setenv(int8_grid_gemm.ENV, "0")
+    measured_draft_token_cost(plan, target, draft)
+    (added,) = set(json.loads(memo_path.read_text())) - before
+    assert added.endswith(f"{int8_grid_gemm.ENV}=0")

@@ -152,7 +152,7 @@ KERNELS = {
     "int4 packed, fp32 act": lambda w: int4_kernel(w, torch.float32),
 }
 if int8_grid_gemm.kernel() is not None:  # AVX512-VNNI: the project's kernel, which Int8PerToken runs here
-    KERNELS["int8 W8A8 per-token (Int8PerToken, VNNI kernel)"] = int8_project(Int8PerToken)
+    KERNELS["int8 W8A8 per-token (Int8PerToken, project kernel: VNNI, AMX from 4 rows)"] = int8_project(Int8PerToken)
 
 
 def batch_invariant(fns: list, shapes: list[tuple[int, int]]) -> bool:

@@ -15,6 +15,7 @@ engines a GPU host will build) and from built engines' config.json: the checkpoi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import dataclasses
 from dataclasses import dataclass, field, replace
@@ -193,16 +194,19 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
 
     Measured here rather than at every model load: it costs seconds, a loaded server would time it
     against its own start-up, and the number stays visible in config.pbtxt. Kept in
-    `<output dir>/draft_token_cost.json` by engine pair and K (the engine links resolve to their cached
-    builds), so the next assembly of the same engines reuses it.
+    `<output dir>/draft_token_cost.json` by engine pair, K, CPU and int8 kernel switch (the engine links
+    resolve to their cached builds), so the next assembly of the same engines on the same machine reuses it.
     """
     s = plan.spec.speculative
     if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
             and toolchain_traits(plan.toolchain).engines_built_here):
         return 0.0
+    from pipeline.apps.host import cpu_summary
+    from pipeline.reference import int8_grid_gemm
     from pipeline.reference.step_cost import engine_draft_token_cost
 
-    key = f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens}"
+    key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
+           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={os.environ.get(int8_grid_gemm.ENV, '1')}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:
