@@ -32,7 +32,9 @@ void group_sums(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, __m5
     for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < K4; ++k4) {
     const int8_t* wk = w + k4 * GROUP * 4;
-    for (int b = 0; b < BLOCKS; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * GROUP * 4 + 64 * b), _MM_HINT_T0);
+    // 32 k quads (8 KB) ahead: 8.7-8.8 ms over SmolLM2's layer matrices at one row against 9.1-9.2 for 16 quads,
+    // 8.8-8.9 for 48-64 and 10.4 without software prefetch (one thread, cold cache)
+    for (int b = 0; b < BLOCKS; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 32 * GROUP * 4 + 64 * b), _MM_HINT_T0);
     __m512i wv[BLOCKS];
     for (int b = 0; b < BLOCKS; ++b) wv[b] = _mm512_loadu_si512(wk + 64 * b);
     for (int r = 0; r < R; ++r) {
