@@ -44,23 +44,33 @@ void group_sums(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, __m5
   }
 }
 
-// out[r, n0 + j] = float(sum - offset[j]) * multiplier[j] for the group's 64 channels (the last group masked).
-template <int R>
-void group_rows(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, const int32_t* offset,
-                const float* multiplier, float* out, int64_t N, int64_t n0) {
-  __m512i acc[R][BLOCKS];
-  group_sums<R>(xq, Kp, w, K4, acc);
+// out[r, n0 + j] = float(sums[r, j] - offset[n0 + j]) * multiplier[n0 + j] for R rows of one group's 64 channels
+// (sums [R, 64] int32; channels past N skipped): fbgemm's epilogue.
+void epilogue(const int32_t* sums, int64_t R, const int32_t* offset, const float* multiplier, float* out, int64_t N,
+              int64_t n0) {
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t j = n0 + 16 * b;
     if (j >= N) break;
     const __mmask16 mask = N - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - j)) - 1);
     const __m512i off = _mm512_maskz_loadu_epi32(mask, offset + j);
     const __m512 mul = _mm512_maskz_loadu_ps(mask, multiplier + j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], off));
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums + r * GROUP + 16 * b), off));
       _mm512_mask_storeu_ps(out + r * N + j, mask, _mm512_mul_ps(raw, mul));
     }
   }
+}
+
+// R rows of one group on AVX512-VNNI registers, then the epilogue.
+template <int R>
+void group_rows(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, const int32_t* offset,
+                const float* multiplier, float* out, int64_t N, int64_t n0) {
+  __m512i acc[R][BLOCKS];
+  group_sums<R>(xq, Kp, w, K4, acc);
+  alignas(64) int32_t sums[R * GROUP];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < BLOCKS; ++b) _mm512_store_si512(sums + r * GROUP + 16 * b, acc[r][b]);
+  epilogue(sums, R, offset, multiplier, out, N, n0);
 }
 
 // x [M, K] -> uint8 [M, Kp] as fbgemm rounds its input (measured on every column, its scalar tail too):
@@ -116,19 +126,10 @@ void amx_group_rows(int64_t R, const uint8_t* xq, int64_t Kp, const int8_t* w, c
   _tile_stored(1, sums + 16, GROUP * 4);
   _tile_stored(2, sums + 32, GROUP * 4);
   _tile_stored(3, sums + 48, GROUP * 4);
-  for (int b = 0; b < BLOCKS; ++b) {
-    const int64_t j = n0 + 16 * b;
-    if (j >= N) break;
-    const __mmask16 mask = N - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - j)) - 1);
-    const __m512i off = _mm512_maskz_loadu_epi32(mask, offset + j);
-    const __m512 mul = _mm512_maskz_loadu_ps(mask, multiplier + j);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 raw = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums + r * GROUP + 16 * b), off));
-      _mm512_mask_storeu_ps(out + r * N + j, mask, _mm512_mul_ps(raw, mul));
-    }
-  }
+  epilogue(sums, R, offset, multiplier, out, N, n0);
 }
 
+// This thread's tile shapes (palette 1): tmm0-4 R rows of 64 bytes, tmm5-7 16 rows (k quads) of 64 bytes.
 void amx_configure(int64_t R) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) { config.rows[t] = uint8_t(t < 5 ? R : 16); config.colsb[t] = 64; }
