@@ -134,6 +134,8 @@ def int8_project(kernel_cls):
     return build
 
 
+# Int8PerToken on the project's kernel: a row only where that kernel runs here (AVX512-VNNI; elsewhere it is fbgemm's row)
+PROJECT_INT8 = "int8 W8A8 per-token (Int8PerToken, project kernel: VNNI, AMX from 4 rows)"
 KERNELS = {
     "fp32 F.linear": lambda w: (lambda x, w=w: F.linear(x, w)),
     "fp32 F.linear, wide layout": lambda w: (lambda x, w=wide_layout(w): F.linear(x, w)),
@@ -145,14 +147,13 @@ KERNELS = {
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
     "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(functools.partial(Int8PerToken, vnni=False)),
+    PROJECT_INT8: int8_project(Int8PerToken),
     "int8 W8A8 per-token, torch._int_mm": int_mm_per_token,
     "int8 W8A8 per-token, oneDNN qlinear": onednn_int8_per_token,
     "int8 fbgemm dynamic, per-batch act scale": fbgemm_dynamic,
     "int4 packed, bf16 act": lambda w: int4_kernel(w, torch.bfloat16),
     "int4 packed, fp32 act": lambda w: int4_kernel(w, torch.float32),
 }
-if int8_grid_gemm.kernel() is not None:  # AVX512-VNNI: the project's kernel, which Int8PerToken runs here
-    KERNELS["int8 W8A8 per-token (Int8PerToken, project kernel: VNNI, AMX from 4 rows)"] = int8_project(Int8PerToken)
 
 
 def batch_invariant(fns: list, shapes: list[tuple[int, int]]) -> bool:
@@ -384,7 +385,8 @@ def main() -> None:
     print(cpu_summary())
     with torch.inference_mode():
         if not args.skip_kernels:
-            wanted = [n for n in KERNELS if not args.only or any(o in n for o in args.only.split(","))]
+            wanted = [n for n in KERNELS if (not args.only or any(o in n for o in args.only.split(",")))
+                      and (n != PROJECT_INT8 or int8_grid_gemm.kernel() is not None)]
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
             bench_model(args.engines, args.reps, threads, args.modes.split(","), args.output_layers.split(","), args.tokenizer,

@@ -36,6 +36,12 @@ def cpu_has_vnni() -> bool:
     return torch.cpu._is_vnni_supported()
 
 
+def switched_on() -> bool:
+    """Whether the environment allows the kernel (REFERENCE_INT8_KERNEL is not "0")."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+@functools.cache
 def amx_min_rows() -> int:
     """The row count from which calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX, else 0 (never)."""
     return AMX_MIN_ROWS if torch.cpu._is_amx_tile_supported() else 0
@@ -45,7 +51,7 @@ def amx_min_rows() -> int:
 def kernel():
     """`torch.ops.specdeploy` with `int8_pack` and `int8_grid_gemm` built and loaded, or None where they
     cannot run here (no AVX512-VNNI, REFERENCE_INT8_KERNEL=0, or the build failed: logged once)."""
-    if os.environ.get(ENV, "1") == "0":
+    if not switched_on():
         return None
     if not cpu_has_vnni():
         log.info("no AVX512-VNNI on this CPU: int8_sq GEMMs run on fbgemm")

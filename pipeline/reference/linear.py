@@ -14,8 +14,7 @@ tokens in one call instead of row by row, and speculative output still equals pl
   it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
 - Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic 8-bit activations times int8 weights with
   int32 accumulation (the project's AVX512-VNNI kernel, else fbgemm: the same bits), then the row scale
-  times the channel scale. Integer sums are exact,
-  so a row's result cannot depend on the rest of the batch.
+  times the channel scale. Integer sums are exact, so a row's result cannot depend on the rest of the batch.
 - Float16Weights (float16 engines' layers; the output layer of 16-bit and quantized engines, as
   TensorRT-LLM keeps it in 16 bits, on CPUs without AMX): fbgemm's fp16-weight GEMM, fp32 activations
   and accumulation (batch-invariant, measured).

@@ -15,7 +15,6 @@ engines a GPU host will build) and from built engines' config.json: the checkpoi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import dataclasses
 from dataclasses import dataclass, field, replace
@@ -206,7 +205,7 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
     from pipeline.reference.step_cost import engine_draft_token_cost
 
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
-           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={os.environ.get(int8_grid_gemm.ENV, '1')}")
+           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={int(int8_grid_gemm.switched_on())}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:
