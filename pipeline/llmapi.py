@@ -71,6 +71,9 @@ def check_rules(spec: Spec) -> None:
         if model.kv_cache_dtype not in MODELOPT_KV_QFORMAT:
             raise SpecError(f"models.{role}.kv_cache_dtype", f"{model.kv_cache_dtype} KV cache is not a PyTorch-backend recipe",
                             f"use none or fp8 {fix_tc}")
+    if s.ngram is not None and s.ngram.min_token_prob > 0:
+        raise SpecError("speculative.ngram.min_token_prob", "TensorRT-LLM's NGram drafter has no cut by agreement "
+                        "(NGramDecodingConfig)", f"set it to 0 {fix_tc}")
 
 
 def decoding_config(spec: Spec, draft_dir: Path | None, release: str = stack.TRTLLM_VERSION) -> dict | None:

@@ -17,17 +17,39 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def ngram_lookup(token_ids: Sequence[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
+def ngram_lookup(token_ids: Sequence[int], k: int, min_ngram: int, max_ngram: int,
+                 min_token_prob: float = 0.0) -> list[int]:
     """Prompt lookup: the up-to-k tokens that followed the latest earlier occurrence of the longest suffix of
-    `token_ids` of min_ngram..max_ngram tokens ([] when none matches)."""
+    `token_ids` of min_ngram..max_ngram tokens ([] when none matches).
+
+    min_token_prob > 0 cuts the draft where the context disagrees with it (SuffixDecoding's min_token_prob,
+    arXiv 2411.04975, frequencies counted over the context instead of a suffix tree): draft token i's
+    frequency is the share of the suffix's earlier occurrences, among those that agree with draft tokens
+    0..i-1 and have an i-th following token, whose i-th following token is draft token i; the draft stops
+    before the product of these frequencies falls below min_token_prob. The first token is always kept
+    (the latest occurrence's continuation, as with min_token_prob 0).
+    """
     if k <= 0:
         return []
     tokens = list(token_ids)
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest first; each occurrence has a following token
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+        # where each occurrence's continuation starts, latest first; each occurrence has a following token
+        starts = [s + n for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == suffix]
+        if not starts:
+            continue
+        draft = tokens[starts[0]:starts[0] + k]
+        if min_token_prob <= 0:
+            return draft
+        prob = 1.0
+        for i, token in enumerate(draft):
+            live = [s for s in starts if s + i < len(tokens)]  # occurrences that still have an i-th token
+            agree = [s for s in live if tokens[s + i] == token]  # never empty: the latest occurrence agrees
+            prob *= len(agree) / len(live)
+            if i and prob < min_token_prob:
+                return draft[:i]
+            starts = agree
+        return draft
     return []
 
 

@@ -78,6 +78,8 @@ class NgramSpec:
 
     min_ngram: int = 1
     max_ngram: int = 3
+    # cut a draft where the context disagrees with it (pipeline.sequences.ngram_lookup; 0: the whole continuation)
+    min_token_prob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -418,6 +420,9 @@ def check_combinations(spec: Spec) -> None:
                         "set it to false or use mode draft_target")
     if s.ngram is not None and not 1 <= s.ngram.min_ngram <= s.ngram.max_ngram:
         raise SpecError("speculative.ngram.min_ngram", "must be between 1 and max_ngram", "fix min_ngram / max_ngram")
+    if s.ngram is not None and not 0 <= s.ngram.min_token_prob < 1:
+        raise SpecError("speculative.ngram.min_token_prob", f"{s.ngram.min_token_prob} is not in [0, 1)",
+                        "set e.g. min_token_prob: 0.4 (0 drafts the whole continuation)")
     for name, tree in (("medusa", s.medusa), ("eagle", s.eagle)):
         if tree is not None:
             check_tree_choices(f"speculative.{name}.choices", tree.choices, s.max_draft_len)

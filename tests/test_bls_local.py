@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving.bls import ROUNDS_BEFORE_ACCEPTANCE_CHECK, SpeculativeDecoder
+from pipeline.serving.bls import BACK_OFF_TOKENS, ROUNDS_BEFORE_ACCEPTANCE_CHECK, SpeculativeDecoder
 from pipeline.serving.errors import Stopped
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings, parse_text_request
@@ -207,19 +207,22 @@ def test_batch_gate_decodes_plainly_while_too_many_requests_run(engines, mode):
     assert gated_rounds <= rounds / 2  # the gated requests spent most of their tokens in plain chunks
 
 
-def test_measured_draft_token_cost_switches_off_a_draft_below_break_even_and_keeps_one_above(engines):
+def test_measured_draft_token_cost_backs_off_a_draft_below_break_even_and_keeps_one_above(engines):
     """draft_token_cost (the break-even acceptance measured at assembly) raises the switch-off bar above
-    min_acceptance_rate: the same draft stops speculating after ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds when its
-    acceptance is below the cost, and speculates to the end when it is above; the text is plain's either way."""
+    min_acceptance_rate: the same draft backs off after ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds when its acceptance
+    is below the cost (BACK_OFF_TOKENS plain tokens, then one-token drafts and fresh evidence), and speculates
+    without pause when it is above; the text is plain's either way."""
     runners, tokenizer = engines
     text = "the the the cat sat on the mat and the cat sat on the"
+    max_tokens = 40
 
     def decode(cost, k=3):
         settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode="draft_target",
                                max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
                                min_acceptance_rate=0.05, draft_token_cost=cost)
         sink = Rounds()
-        tokens, stats = run(SpeculativeDecoder(settings, LocalModelClient(runners), sink), tokenizer, settings, text, 40, k)
+        tokens, stats = run(SpeculativeDecoder(settings, LocalModelClient(runners), sink), tokenizer, settings, text,
+                            max_tokens, k)
         return tokens, stats, sink.rounds
 
     plain, _, _ = decode(0.0, k=0)
@@ -227,10 +230,16 @@ def test_measured_draft_token_cost_switches_off_a_draft_below_break_even_and_kee
     running = [sum(a for _, a in rounds[:n]) / sum(p for p, _ in rounds[:n]) for n in range(1, len(rounds) + 1)]
     checked = running[ROUNDS_BEFORE_ACCEPTANCE_CHECK - 1:]  # the acceptance each switch-off check saw
     assert free == plain and len(checked) >= 2 and 0 < min(checked) and max(checked) < 1
-    below, below_stats, _ = decode(max(checked) + 0.05)  # costs more than the draft ever earns: off at the first check
-    assert below == plain and below_stats.rounds == ROUNDS_BEFORE_ACCEPTANCE_CHECK < free_stats.rounds
-    above, above_stats, _ = decode(min(checked) - 0.05)  # earns more than it costs at every check: kept
-    assert above == plain and above_stats.rounds == free_stats.rounds
+    assert sum(a + 1 for _, a in rounds) == max_tokens - 1  # every token from a round but the last (nothing to draft)
+    below, below_stats, below_rounds = decode(max(checked) + 0.05)  # costs more than the draft earns: backs off
+    assert below == plain and below_rounds[:ROUNDS_BEFORE_ACCEPTANCE_CHECK] == rounds[:ROUNDS_BEFORE_ACCEPTANCE_CHECK]
+    resumed = below_rounds[ROUNDS_BEFORE_ACCEPTANCE_CHECK:]
+    assert 0 < len(resumed) < ROUNDS_BEFORE_ACCEPTANCE_CHECK and resumed[0][0] == 1  # drafting again, one token first
+    # the back-off's tokens came plain (and perhaps the last one)
+    assert max_tokens - BACK_OFF_TOKENS - 1 <= sum(a + 1 for _, a in below_rounds) <= max_tokens - BACK_OFF_TOKENS
+    assert below_stats.rounds == len(below_rounds) < free_stats.rounds
+    above, above_stats, above_rounds = decode(min(checked) - 0.05)  # earns more than it costs at every check: kept
+    assert above == plain and above_rounds == rounds and above_stats.rounds == free_stats.rounds
 
 
 def test_draft_length_adapts_per_round_within_k(engines):

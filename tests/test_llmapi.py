@@ -308,3 +308,12 @@ def test_llmapi_model_exports_spec_decode_metrics_from_iteration_stats(derived_p
                 break
             time.sleep(0.5)
     assert got == [expected.drafted, expected.accepted, expected.rounds]  # 20, 8, 5
+
+
+def test_the_lookup_cut_is_refused_with_the_field_to_change(derived_pair, eagle3_heads, tmp_path):
+    """TensorRT-LLM's NGram drafter has no min_token_prob: the spec that asks for it names the field and the fix."""
+    with pytest.raises(SpecError) as err:
+        tiny_spec(REPO / "examples/ngram.yaml", derived_pair, eagle3_heads, tmp_path,
+                  extra=["speculative.ngram.min_token_prob=0.4"])
+    assert str(err.value).startswith("speculative.ngram.min_token_prob: ") and "set it to 0" in err.value.fix
+    assert tiny_spec(REPO / "examples/ngram.yaml", derived_pair, eagle3_heads, tmp_path).speculative.ngram.min_token_prob == 0

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pipeline.apps.lookup_ceiling import LookupPolicy, Replay, main, policies, replay
+from pipeline.serving.bls import BACK_OFF_TOKENS
 
 SERVED = LookupPolicy("served", k=5, miss_tokens=None, switch_off_below=0.0, adaptive=True)
 FIXED = LookupPolicy("fixed K", k=5, miss_tokens=None, switch_off_below=0.0)
@@ -35,17 +36,20 @@ def test_a_lookup_miss_decodes_k_plus_1_tokens_served_and_one_token_every_token(
     assert every.accepted > served.accepted > 0
 
 
-def test_the_switch_off_stops_drafting_after_eight_rounds():
+def test_the_switch_off_backs_off_after_eight_rounds_then_drafts_again():
     # groups 1 2 <new>: after <new> the lookup misses and 1 is decoded; after 1 it proposes what followed the last 1
     # (2 then an older <new>): 2 is accepted, the rest rejected. Misses and drafts are rounds, as in the BLS.
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    answer = [x for i in range(12) for x in (1, 2, 100 + i)]
+    answer = [x for i in range(30) for x in (1, 2, 100 + i)]
     never = replay(prompt, answer, LookupPolicy("never", 5, 1, switch_off_below=0.0))
     strict = replay(prompt, answer, LookupPolicy("strict", 5, 1, switch_off_below=1.0))
     assert 0 < never.accepted < never.drafted  # partial acceptance: below a 100 % bar
     assert strict.tokens == never.tokens == len(answer)
-    assert 0 < strict.drafted <= 4 * 5 < never.drafted  # 8 rounds: 4 misses and 4 drafts, then plain decoding
-    assert strict.forwards > never.forwards  # giving up on accepted 2s costs forwards
+    # 8 rounds (4 misses, 4 drafts: 12 tokens), 16 plain tokens, then drafting again, then 32 plain ...
+    assert replay(prompt, answer[:12], LookupPolicy("s", 5, 1, switch_off_below=1.0)).drafted < strict.drafted < never.drafted
+    assert strict.forwards > never.forwards  # backing off from accepted 2s costs forwards
+    first_only = replay(prompt, answer[:12 + BACK_OFF_TOKENS], LookupPolicy("strict", 5, 1, switch_off_below=1.0))
+    assert first_only.forwards == 8 + BACK_OFF_TOKENS  # 8 rounds of one forward each, then the back-off, plain
 
 
 def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_longer_up_to_k():
@@ -62,10 +66,11 @@ def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_lo
 
 
 def test_the_ceiling_policy_never_switches_off_and_drafts_16():
-    served, fixed, every, ceiling = policies(5, 0.3, 1, 3)
+    served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
     assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
-    assert served.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
-    assert served.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
+    assert served.adaptive and uncut.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
+    assert served.switch_off_below == uncut.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
+    assert served.min_token_prob == 0.4 and uncut.min_token_prob == fixed.min_token_prob == ceiling.min_token_prob == 0
     assert Replay().tokens_per_forward() == 0.0
 
 
@@ -79,8 +84,8 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
                  "--max-tokens", "12", "--k", "3", "--out", str(out)]) == 0
     report = json.loads((out / "lookup.json").read_text())
     assert 0 <= report["draft_token_cost"] < 5
-    served, fixed, every, ceiling = report["policies"].values()
-    for counts in (served["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
+    served, uncut, fixed, every, ceiling = report["policies"].values()
+    for counts in (served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
         assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
         assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
     assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers

@@ -32,6 +32,19 @@ def test_ngram_without_a_match_or_budget_proposes_nothing():
     assert [d.token_ids for d in drafts] == [[3, 1], []]
 
 
+def test_min_token_prob_cuts_the_draft_where_earlier_occurrences_disagree():
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12
+    context = [7, 1, 2, 3, 7, 1, 2, 4, 7, 1, 2, 4, 7]
+    # 7 occurred at 0, 4 and 8; the latest continues 1 2 4 7. All three agree on 1 and 2; on the third token
+    # 2 of 3 say 4 (the one at 0 says 3); the two left agree on 7: frequencies 1, 1, 2/3, 1
+    assert NgramProposer(1, 1).lookup(context, 4) == [1, 2, 4, 7]  # no cut: the latest continuation
+    assert NgramProposer(1, 1, min_token_prob=0.6).lookup(context, 4) == [1, 2, 4, 7]  # 2/3 >= 0.6
+    assert NgramProposer(1, 1, min_token_prob=0.7).lookup(context, 4) == [1, 2]  # 2/3 < 0.7: cut before the 4
+    # the first token is kept whatever its frequency: 7 was followed by 1 and then by 2 (latest)
+    assert NgramProposer(1, 1, min_token_prob=0.9).lookup([7, 1, 7, 2, 7], 3) == [2]
+    assert NgramProposer(1, 1).lookup([7, 1, 7, 2, 7], 3) == [2, 7]
+
+
 def test_ngram_sizes_are_checked():
     with pytest.raises(ValueError, match="min_ngram"):
         NgramProposer(min_ngram=3, max_ngram=2)

@@ -122,3 +122,12 @@ def test_every_mode_has_its_traits():
     from pipeline.spec import Mode
 
     assert set(typing.get_args(Mode)) == set(MODES)
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "1"])
+def test_a_lookup_cut_outside_0_1_names_the_field(value):
+    with pytest.raises(SpecError) as err:
+        load_spec(REPO / "examples/ngram.yaml", [f"speculative.ngram.min_token_prob={value}"], check_paths=False)
+    assert err.value.path == "speculative.ngram.min_token_prob" and "0.4" in err.value.fix
+    assert load_spec(REPO / "examples/ngram.yaml", ["speculative.ngram.min_token_prob=0.4"],
+                     check_paths=False).speculative.ngram.min_token_prob == 0.4

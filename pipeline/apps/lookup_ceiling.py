@@ -10,11 +10,13 @@ step and calls cost nothing; with the measured cost c of a draft token (pipeline
 estimate is tokens / (forwards + c x drafted tokens).
 
 Policies:
-- served: the BLS's rounds (at most K draft tokens, adaptive: one fewer after a partly rejected draft, two more
-  after a fully accepted one, pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length
-  + 1 tokens plainly; a request whose acceptance is below the switch-off bar after 8 rounds decodes plainly to
-  the end);
-- fixed K: the same rounds with K never changing (the BLS before 2026-12-02);
+- served: the BLS's rounds (at most K draft tokens, cut where the context disagrees when min_token_prob > 0;
+  adaptive: one fewer after a partly rejected draft, two more after a fully accepted one,
+  pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length + 1 tokens plainly; a
+  request whose acceptance since it last (re)started drafting is below the switch-off bar after 8 rounds backs
+  off: 16 plain tokens, twice as many after each further back-off, then one-token drafts again);
+- served without the cut: the same with min_token_prob 0 (the whole continuation, up to the draft length);
+- fixed K: the served rounds with K never changing and no cut (the BLS before 2026-12-02);
 - every token: the lookup runs again after every plain token (a miss costs one forward);
 - every token, K=16, no switch-off: prompt lookup's ceiling on these answers (longer drafts, never giving up).
 """
@@ -27,16 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.sequences import next_draft_len, ngram_lookup
+from pipeline.serving.bls import BACK_OFF_TOKENS, ROUNDS_BEFORE_ACCEPTANCE_CHECK
 
-ROUNDS_BEFORE_SWITCH_OFF = 8  # as the BLS (pipeline.serving.bls.ROUNDS_BEFORE_ACCEPTANCE_CHECK)
 CEILING_K = 16
 
 
 @dataclass(frozen=True)
 class LookupPolicy:
     """How a request drafts: at most K tokens per round (adaptive: the BLS's draft length schedule, else always K),
-    plain tokens per lookup miss (None: draft length + 1, as the BLS), and the acceptance below which it stops
-    speculating after 8 rounds (0: never)."""
+    plain tokens per lookup miss (None: draft length + 1, as the BLS), the acceptance below which it backs off
+    after 8 rounds (0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
 
     name: str
     k: int
@@ -45,6 +47,7 @@ class LookupPolicy:
     adaptive: bool = False
     min_ngram: int = 1
     max_ngram: int = 3
+    min_token_prob: float = 0.0
 
 
 @dataclass
@@ -78,15 +81,16 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     exactly when it equals the answer's next token). The prompt's prefill forward is not counted (plain decoding
     pays it too)."""
     out = Replay(tokens=len(answer))
-    done, rounds, speculate, draft_len = 0, 0, True, policy.k
+    done, draft_len, back_off = 0, policy.k, BACK_OFF_TOKENS
+    rounds, evidence = 0, Replay()  # rounds and draft counts since drafting last (re)started: what the bar judges
     while done < len(answer):
         remaining = len(answer) - done
-        if not speculate or remaining == 1:
+        if remaining == 1:
             out.forwards += remaining
             break
         k = min(draft_len, remaining - 1)
-        draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram)
-        rounds += 1
+        draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
+        rounds += 1  # misses included, as the BLS
         if not draft:
             plain = min(k + 1 if policy.miss_tokens is None else policy.miss_tokens, remaining)
             out.forwards += plain
@@ -96,21 +100,28 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
             while accepted < len(draft) and draft[accepted] == answer[done + accepted]:
                 accepted += 1
             out.forwards += 1
-            out.drafted += len(draft)
-            out.accepted += accepted
+            for counts in (out, evidence):
+                counts.drafted += len(draft)
+                counts.accepted += accepted
             done += accepted + 1
             if policy.adaptive:
                 draft_len = next_draft_len(draft_len, accepted, len(draft), policy.k)
-        if (rounds >= ROUNDS_BEFORE_SWITCH_OFF and out.drafted
-                and out.accepted / out.drafted < policy.switch_off_below):
-            speculate = False
+        if (rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and evidence.drafted
+                and evidence.accepted / evidence.drafted < policy.switch_off_below):  # back off, as the BLS
+            plain = min(back_off, len(answer) - done)
+            out.forwards += plain
+            done += plain
+            back_off, rounds, evidence = back_off * 2, 0, Replay()
+            draft_len = 1 if policy.adaptive else policy.k
     return out
 
 
-def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int) -> list[LookupPolicy]:
-    """The served policy, its fixed-K form and the two that bound it (module docstring)."""
-    return [LookupPolicy(f"served: K<={k} adaptive, a miss decodes K+1", k, None, switch_off_below, True, min_ngram,
-                         max_ngram),
+def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
+             min_token_prob: float) -> list[LookupPolicy]:
+    """The served policy, its forms without the cut and with fixed K, and the two that bound it (module docstring)."""
+    return [LookupPolicy(f"served: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
+                         switch_off_below, True, min_ngram, max_ngram, min_token_prob),
+            LookupPolicy(f"served without the cut: K<={k} adaptive", k, None, switch_off_below, True, min_ngram, max_ngram),
             LookupPolicy(f"fixed K={k}, a miss decodes K+1", k, None, switch_off_below, False, min_ngram, max_ngram),
             LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, False, min_ngram, max_ngram),
             LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, False,
@@ -211,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5, help="draft tokens per round of the served policy")
     p.add_argument("--ngram", default="1,3", help="min_ngram,max_ngram of the lookup")
+    p.add_argument("--min-token-prob", type=float, default=0.4,
+                   help="the served lookup's cut (speculative.ngram.min_token_prob; examples/default.yaml's 0.4)")
     p.add_argument("--min-acceptance-rate", type=float, default=0.1,
                    help="the spec's switch-off floor (the bar is the larger of it and the measured cost)")
     p.add_argument("--out", type=Path, default=Path("out/bench-lookup"))
@@ -227,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     answers = greedy_answers(args.engine, args.tokenizer, args.prompts.split(","), args.max_tokens)
     cost = engine_draft_token_cost(args.engine, None, args.k)
     print(f"measured cost of a draft token: {cost:.2f} plain steps (K={args.k}, batch 1)", flush=True)
-    result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram))
+    result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram,
+                                        args.min_token_prob))
     markdown = render_markdown(result, cost, f"# Prompt lookup on {args.engine}'s greedy answers (ngram {min_ngram}-{max_ngram})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lookup.md").write_text(markdown)

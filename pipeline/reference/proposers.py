@@ -72,21 +72,22 @@ class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens, propose what followed.
 
     Tries n = max_ngram down to min_ngram and takes the first (longest) n that matches; proposes up
-    to K of the tokens that followed that occurrence. Pays off when the output copies its input
-    (editing code, summarising or rewriting a given text).
+    to K of the tokens that followed that occurrence, cut where fewer than min_token_prob of the
+    earlier occurrences agree (pipeline.sequences.ngram_lookup). Pays off when the output copies its
+    input (editing code, summarising or rewriting a given text).
     """
 
     needs_hidden_states = False
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, min_token_prob: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.min_ngram, self.max_ngram, self.min_token_prob = min_ngram, max_ngram, min_token_prob
 
     @classmethod
     def from_spec(cls, ngram_spec) -> "NgramProposer":
         """Build from a `pipeline.spec.NgramSpec` (None: defaults)."""
-        return cls() if ngram_spec is None else cls(ngram_spec.min_ngram, ngram_spec.max_ngram)
+        return cls() if ngram_spec is None else cls(ngram_spec.min_ngram, ngram_spec.max_ngram, ngram_spec.min_token_prob)
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """A chain of up to K copied tokens per request (empty when nothing matches)."""
@@ -94,7 +95,7 @@ class NgramProposer:
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier match of the longest matching suffix."""
-        return ngram_lookup(token_ids, k, self.min_ngram, self.max_ngram)
+        return ngram_lookup(token_ids, k, self.min_ngram, self.max_ngram, self.min_token_prob)
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         """Nothing to learn."""

@@ -149,7 +149,8 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
     }
     if traits(s.mode).bls_lookup:
-        params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3))
+        params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3),
+                      ngram_min_token_prob=str(ngram.min_token_prob if ngram else 0.0))
     iface = interface("tensorrt_llm_bls")
     return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
                            inputs=iface.inputs, outputs=iface.outputs, decoupled=spec.serving.decoupled,

@@ -53,7 +53,7 @@ class Interface:
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))
 BLS_PARAMETER_KEYS = frozenset({
     "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
-    "ngram_min", "ngram_max", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
+    "ngram_min", "ngram_max", "ngram_min_token_prob", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
     "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation", "skip_special_tokens", "stall_timeout_s"})
 EXTENSIONS: dict[str, Interface] = {
     "ensemble": Interface(

@@ -6,7 +6,8 @@ many requests run concurrently and the target/draft engines batch them in flight
 
 Each round of a speculative request:
 1. propose up to K tokens: the draft model (tensorrt_llm_draft, asked for that many tokens, plus its raw
-   logits when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model). The
+   logits when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model, its
+   draft cut where the context disagrees with it when ngram_min_token_prob > 0). The
    round's draft length adapts (sequences.next_draft_len): it starts at the request's K
    (num_draft_tokens), drops by one after a partly rejected draft and grows by two, never past K, after
    a fully accepted one; a lookup miss decodes draft length + 1 tokens plainly;
@@ -19,10 +20,14 @@ return_context_logits) come from the target's calls only, so they are the target
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
 stream from target calls of PLAIN_CHUNK_TOKENS tokens. A draft failure switches that request to
-plain decoding, counted and logged; so does acceptance below the switch-off bar after
-ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds: min_acceptance_rate, or the measured break-even
-`draft_token_cost` when that is higher (what a draft token costs a round, in plain steps: a draft
-accepted less often than that makes the request slower than plain decoding). While more
+plain decoding, counted and logged. Acceptance below the switch-off bar after
+ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds (min_acceptance_rate, or the measured break-even
+`draft_token_cost` when that is higher: what a draft token costs a round, in plain steps; a draft
+accepted less often than that makes the request slower than plain decoding) backs the request off:
+it decodes BACK_OFF_TOKENS tokens plainly, twice as many after each further back-off, then drafts
+again from one-token drafts and fresh evidence (an answer that stops copying for a while, say a
+summary's own opening, may copy again later; a request whose drafts never pay spends ever less on
+them: `make bench-lookup` replays both). While more
 requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
 TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
 Requests in flight are counted once, by `admit()`: the caller holds it for the whole request (the
@@ -46,7 +51,8 @@ from pipeline.serving.errors import RequestError, Stopped
 from pipeline.serving.params import BlsSettings, TextRequest
 from pipeline.serving.text import IncrementalDetokenizer
 
-ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before the switch-off bar may switch it off
+ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before the switch-off bar may back it off
+BACK_OFF_TOKENS = 16  # the first back-off's plain tokens; each further back-off of the request doubles it
 # Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
 # BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
 PLAIN_CHUNK_TOKENS = 16
@@ -144,8 +150,9 @@ class SpeculativeDecoder:
         self.client = client
         self.metrics = metrics
         self.log_warning = log_warning
-        # prompt lookup's n-gram sizes when the BLS makes the drafts itself (mode ngram), else None
-        self.ngram = (settings.ngram_min, settings.ngram_max) if traits(settings.speculative_mode).bls_lookup else None
+        # prompt lookup's settings when the BLS makes the drafts itself (mode ngram), else None
+        self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
+                      if traits(settings.speculative_mode).bls_lookup else None)
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
@@ -194,12 +201,21 @@ class SpeculativeDecoder:
         speculate = self.speculates(req)
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
         draft_len = req.num_draft_tokens  # adaptive: shorter after a rejection, longer after a full accept, at most K
+        evidence = RequestStats()  # the rounds since speculation last (re)started: what the switch-off bar judges
+        back_off, resume_at = BACK_OFF_TOKENS, 0  # the next back-off's plain tokens; plain until this many generated
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             gated = speculate and self.gated()
-            if not speculate or remaining == 1 or gated:
-                # plain to the end, or one plain chunk while the gate holds (then the gate is asked again)
-                budget = min(PLAIN_CHUNK_TOKENS, remaining) if gated else remaining
+            backed_off = speculate and len(generated) < resume_at
+            if not speculate or remaining == 1 or gated or backed_off:
+                # plain to the end; or one plain chunk while the gate holds, or the back-off's plain tokens
+                # (then the gate and the back-off are asked again)
+                pausing = gated or backed_off
+                budget = remaining
+                if gated:
+                    budget = min(PLAIN_CHUNK_TOKENS, remaining)
+                elif backed_off:
+                    budget = min(resume_at - len(generated), remaining)
                 got, reason = 0, None
                 async for out in self._plain(req, generated, budget, cancelled):
                     got += len(out.tokens)
@@ -209,7 +225,7 @@ class SpeculativeDecoder:
                         yield Chunk(out.tokens[:keep], target=out.head(keep))
                     if reason:
                         break
-                if gated and not reason and got == budget and not cancelled():
+                if pausing and not reason and got == budget and not cancelled():
                     continue
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
@@ -221,9 +237,10 @@ class SpeculativeDecoder:
                 self.metrics.fallback()
                 stats.fell_back, speculate = True, False
                 continue
-            stats.rounds += 1
-            stats.total_draft_tokens += proposed
-            stats.total_accepted_draft_tokens += accepted
+            for counts in (stats, evidence):
+                counts.rounds += 1
+                counts.total_draft_tokens += proposed
+                counts.total_accepted_draft_tokens += accepted
             if proposed:
                 self.metrics.round(proposed, accepted)
                 draft_len = next_draft_len(draft_len, accepted, proposed, req.num_draft_tokens)
@@ -234,9 +251,10 @@ class SpeculativeDecoder:
             if reason or stopped:
                 finished = True
                 break
-            if (stats.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and stats.total_draft_tokens
-                    and stats.acceptance_rate < self.settings.switch_off_below):
-                speculate = False
+            if (evidence.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and evidence.total_draft_tokens
+                    and evidence.acceptance_rate < self.settings.switch_off_below):
+                resume_at, back_off = len(generated) + back_off, back_off * 2
+                evidence, draft_len = RequestStats(), 1
         if not finished and len(generated) < req.max_tokens:
             raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)

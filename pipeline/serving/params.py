@@ -120,6 +120,7 @@ class BlsSettings:
     use_draft_logits: bool = False
     ngram_min: int = 1
     ngram_max: int = 3
+    ngram_min_token_prob: float = 0.0
     max_input_len: int = 1024
     max_seq_len: int = 2048
     verify_input_len: int = 2047  # longest input_ids the target accepts (a verify call re-sends the sequence)
