@@ -163,11 +163,13 @@ def test_key_spelling_follows_the_release(derived_pair, eagle3_heads, tmp_path):
 
 def test_quantized_models_are_served_from_their_cached_modelopt_output(derived_pair, eagle3_heads, tmp_path):
     spec = tiny_spec(REPO / "examples/default.yaml", derived_pair, eagle3_heads, tmp_path,
-                     ["models.target.qformat=fp8", "models.target.kv_cache_dtype=fp8"])
+                     ["models.target.qformat=fp8", "models.target.kv_cache_dtype=fp8",
+                      "speculative.ngram.min_token_prob=0"])  # NGramDecodingConfig has no cut
     plan = make_plan(spec, TC)
     [step] = plan.steps
     assert make_plan(spec, TC).steps[0].key == step.key  # content-addressed: the same inputs, the same key
     assert make_plan(load_spec(spec.source, [f"models.target.checkpoint={derived_pair[0]}", "models.target.qformat=int4_awq", "models.target.group_size=64",
+                                             "speculative.ngram.min_token_prob=0",
                                              f"output.cache_dir={tmp_path / 'cache'}", f"toolchain={TC}"]), TC).steps[0].key != step.key
     config = yaml.safe_load((assemble(plan) / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert config["model"] == str(tmp_path / "cache" / TC / step.key)
