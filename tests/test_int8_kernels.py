@@ -6,6 +6,8 @@ verifies a whole draft in one call per linear, and greedy speculative decoding s
 the plain greedy tokens of the same engine, at batch 1 and with 8 requests in flight.
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +17,8 @@ from pipeline.reference.checkpoint import dequantize_linear, load_engine, quanti
 from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import (SCREEN_ROWS, DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly,
-                                       ScreenedOutputLayer)
+from pipeline.reference.linear import (OUTPUT_LAYER_THREADS, SCREEN_ROWS, DenseLinear, Float16Weights, Int8PerToken,
+                                       Int8WeightOnly, ScreenedOutputLayer, intra_op_threads, output_layer_16bit)
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
 from tests.test_speculative import drive, prompts
@@ -132,6 +134,24 @@ def test_screened_output_layer_is_batch_invariant_past_one_gemm_call():
         assert torch.equal(layer(x[:n]), alone[:n]), n
     assert layer.rows_invariant()  # the load-time check output_layer_16bit runs agrees
     assert layer.nbytes == w.numel() * 2
+
+
+@needs_amx
+def test_the_screened_output_layer_runs_its_gemm_on_two_threads_with_the_same_bits():
+    """output_layer_16bit gives the screened layer's bf16 GEMM OUTPUT_LAYER_THREADS threads where the machine has
+    them: the logits equal one thread's, and a row's equal its logits alone."""
+    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(10)) * 0.2
+    layer = output_layer_16bit(w)
+    assert isinstance(layer, ScreenedOutputLayer)
+    assert layer.threads == (OUTPUT_LAYER_THREADS if (os.cpu_count() or 1) >= OUTPUT_LAYER_THREADS else 1)
+    x = torch.randn(SCREEN_ROWS, 64, generator=torch.Generator().manual_seed(11)) * 4
+    with intra_op_threads(1):
+        both = layer(x)
+        alone = torch.cat([layer(x[r:r + 1]) for r in range(len(x))])
+        assert torch.get_num_threads() == 1  # the layer's threads end with its call
+        layer.threads = 1
+        single = layer(x)
+    assert torch.equal(both, single) and torch.equal(both, alone)
 
 
 def test_float32_dense_linear_takes_verify_sized_calls_on_onednn():

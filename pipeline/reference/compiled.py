@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.reference.linear import Int8PerToken, scale_rows
-from pipeline.reference.model import _intra_op_threads
+from pipeline.reference.linear import intra_op_threads
 
 ENV = "REFERENCE_COMPILED_LAYERS"  # "0": engines run their layers eager (EngineConfig.compiled_layers' default)
 
@@ -147,7 +147,7 @@ def _regions(H: int, KVH: int, D: int, hidden: int, inter: int, eps: float) -> _
 
     qkv_out = (H + 2 * KVH) * D
     _utf8_text_files()
-    with _intra_op_threads(1):
+    with intra_op_threads(1):
         return _Regions(
             head=_compile(functools.partial(_norm_scale, eps=eps), r(T, hidden), r(hidden), r(hidden)),
             rope=_compile(functools.partial(_rope, heads=H, kv_heads=KVH, head_size=D),

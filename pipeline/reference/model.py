@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +36,8 @@ import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.kv_cache import KVCache
-from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, output_layer_16bit,
-                                       wide_layout)
+from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, intra_op_threads,
+                                       output_layer_16bit, wide_layout)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads:
@@ -264,7 +263,7 @@ class LlamaModel(torch.nn.Module):
         kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
-        with _intra_op_threads(self.decode_threads if small else None):
+        with intra_op_threads(self.decode_threads if small else None):
             return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
 
     def _forward(self, plan: "_AttentionPlan", kv: KVCache, return_hidden: bool, input_embeds: torch.Tensor | None,
@@ -488,17 +487,3 @@ def _slots_or_range(all_slots: torch.Tensor, length: int, block_size: int, align
             pad_slots.append(all_slots[length:S])
         return slice(first, first + S), S
     return F.pad(slots, (0, S - length), value=first)[None], S
-
-
-@contextmanager
-def _intra_op_threads(threads: int | None):
-    """Run the block on `threads` torch intra-op threads (None: unchanged), then restore the previous count."""
-    before = torch.get_num_threads()
-    if threads is None or threads == before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
