@@ -281,9 +281,10 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
         memo_path.write_text(json.dumps(memo))
 
 
-def test_draft_token_cost_is_measured_again_with_the_other_int8_kernel(tiny_spec_engines, monkeypatch):
-    """The memo's key names the CPU and the int8 kernel switch: a cost timed on other kernels is not reused."""
-    from pipeline.reference import int8_grid_gemm
+@pytest.mark.parametrize("switch", ["int8_grid_gemm", "row_attention"])
+def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch):
+    """The memo's key names the CPU and the kernel switches: a cost timed on other kernels is not reused."""
+    import importlib
     from pipeline.repo.assemble import measured_draft_token_cost
 
     spec = tiny_spec_engines.spec
@@ -293,7 +294,8 @@ def test_draft_token_cost_is_measured_again_with_the_other_int8_kernel(tiny_spec
     measured_draft_token_cost(plan, target, draft)
     memo_path = spec.out_dir / "draft_token_cost.json"
     before = set(json.loads(memo_path.read_text()))
-    monkeypatch.setenv(int8_grid_gemm.ENV, "0")
+    env = importlib.import_module(f"pipeline.reference.{switch}").ENV
+    monkeypatch.setenv(env, "0")
     measured_draft_token_cost(plan, target, draft)
     (added,) = set(json.loads(memo_path.read_text())) - before
-    assert added.endswith(f"{int8_grid_gemm.ENV}=0")
+    assert f"{env}=0" in added

@@ -7,9 +7,8 @@ rows cost about what one row does. Over SmolLM2's 120 layer matrices (one thread
 (docs/benchmarks.md). Calls of AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX
 (flat up to 16 rows); fewer rows, or CPUs without AMX, on AVX512-VNNI register blocks.
 
-The source is compiled once per machine by torch's C++ extension loader (gcc >= 11 and ninja, about 25 s;
-later processes load the cached library). On CPUs without AVX512-VNNI, or where it cannot be built,
-`kernel()` is None and Int8PerToken stays on fbgemm.
+The source is compiled once per machine (pipeline.reference.cpp_ops). On CPUs without AVX512-VNNI, or where
+it cannot be built, `kernel()` is None and Int8PerToken stays on fbgemm.
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
 
+from pipeline.reference import cpp_ops
+
 ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
-SOURCE = Path(__file__).parent / "csrc" / "int8_grid_gemm.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
 # Calls of this many rows or more run on AMX tiles (where the CPU has AMX): measured over SmolLM2's layer
 # matrices, AMX / VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24.
@@ -56,17 +55,7 @@ def kernel():
     if not cpu_has_vnni():
         log.info("no AVX512-VNNI on this CPU: int8_sq GEMMs run on fbgemm")
         return None
-    try:
-        import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    except ImportError:
-        pass
-    try:
-        from torch.utils.cpp_extension import load_inline
-        load_inline("specdeploy_int8_grid_gemm", cpp_sources=[SOURCE.read_text()], extra_cflags=FLAGS,
-                    is_python_module=False)
-    except Exception as error:  # no compiler, no ninja, a failed build: fbgemm still works
-        log.warning("could not build the int8 kernel (%s); int8_sq GEMMs run on fbgemm", error)
+    if not cpp_ops.build("int8_grid_gemm", FLAGS):
         return None
     return torch.ops.specdeploy
 

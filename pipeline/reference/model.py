@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
+from pipeline.reference import row_attention
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, intra_op_threads,
                                        output_layer_16bit, wide_layout)
@@ -259,7 +260,11 @@ class LlamaModel(torch.nn.Module):
         first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
-        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype)
+        row_keys = (self.batch_invariant and self.dtype == torch.float32 and not kv.quantized
+                    and all(seq.parents is None for seq in seqs)
+                    and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
+                    and row_attention.kernel() is not None)
+        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype, row_keys)
         kv.clear(plan.pad_slots)
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
@@ -313,6 +318,8 @@ class LlamaModel(torch.nn.Module):
 
     def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
         """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
+        if plan.row_keys is not None:  # every row alone over its own keys: the project's kernel
+            return row_attention.row_attention(q, kv.k[layer], kv.v[layer], plan.row_keys, self.scale)
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
         out = q.new_empty(q.shape[0], H * D)
         for rows, batch, keys, mask in plan.groups:  # `rows` of the flat batch as `batch` SDPA batch elements
@@ -361,10 +368,16 @@ class _AttentionPlan:
     groups: list[tuple[slice | torch.Tensor, int, torch.Tensor | slice, torch.Tensor | None]]
     pad_slots: torch.Tensor  # [P] slots after the sequences' last tokens that attention reads masked: zeroed first
     logits_index: torch.Tensor | None  # [R] rows of the flat batch that need logits; None = all
+    # (slots, starts, lengths) for the row_attention kernel instead of `groups`: row t attends over
+    # slots[starts[t]:starts[t] + lengths[t]], its sequence's first slots up to its own
+    row_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool, dtype: torch.dtype) -> "_AttentionPlan":
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool, dtype: torch.dtype,
+              row_keys: bool = False) -> "_AttentionPlan":
         """The plan of a forward (masks additive, in the compute `dtype`).
+
+        row_keys (chains only): each row's key slots for the row_attention kernel, no SDPA groups.
 
         batch_invariant: every row is its own batch element, and its call has exactly the key count a plain
         decode of its slot has: its slot index + 1, aligned up to KEY_ALIGN (rows of one sequence, or decodes of
@@ -375,6 +388,7 @@ class _AttentionPlan:
         align = KEY_ALIGN if batch_invariant else 1
         token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
         decodes: list[tuple[int, torch.Tensor, int]] = []  # one-token sequences (row, slots, key count): grouped last
+        key_slots, key_starts, key_lengths = [], [], []  # row_keys: each sequence's slots once, each row's span
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -397,7 +411,12 @@ class _AttentionPlan:
             token_ids += seq.token_ids
             positions += [c + d - 1 for d in depth]
             slots.append(all_slots[c:c + n])
-            if n == 1:
+            if row_keys:
+                start = sum(len(s) for s in key_slots)
+                key_slots.append(all_slots[:c + n])
+                key_starts += [start] * n
+                key_lengths += range(c + 1, c + n + 1)
+            elif n == 1:
                 decodes.append((row, all_slots, c + 1))
             else:
                 visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
@@ -419,6 +438,10 @@ class _AttentionPlan:
         for bucket in buckets.values():
             groups += _decode_group(bucket, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
+        if row_keys:
+            keys = (torch.cat(key_slots), torch.tensor(key_starts, dtype=torch.long),
+                    torch.tensor(key_lengths, dtype=torch.long))
+            return cls(token_ids, positions, torch.cat(slots), [], torch.empty(0, dtype=torch.long), logits_index, keys)
         pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
         # additive masks, made once for every layer (SDPA would turn a boolean mask into one per call: the same values)
         groups = [(rows, batch, keys, None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(

@@ -194,7 +194,7 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
 
     Measured here rather than at every model load: it costs seconds, a loaded server would time it
     against its own start-up, and the number stays visible in config.pbtxt. Kept in
-    `<output dir>/draft_token_cost.json` by engine pair, K, CPU and int8 kernel switch (the engine links
+    `<output dir>/draft_token_cost.json` by engine pair, K, CPU and kernel switches (the engine links
     resolve to their cached builds), so the next assembly of the same engines on the same machine reuses it.
     """
     s = plan.spec.speculative
@@ -202,11 +202,12 @@ def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo 
             and toolchain_traits(plan.toolchain).engines_built_here):
         return 0.0
     from pipeline.apps.host import cpu_summary
-    from pipeline.reference import int8_grid_gemm
+    from pipeline.reference import int8_grid_gemm, row_attention
     from pipeline.reference.step_cost import engine_draft_token_cost
 
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
-           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={int(int8_grid_gemm.switched_on())}")
+           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={int(int8_grid_gemm.switched_on())} "
+           f"{row_attention.ENV}={int(row_attention.switched_on())}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:

@@ -1,0 +1,32 @@
+"""The project's C++ CPU kernels (pipeline/reference/csrc/), built where they are first used.
+
+Each source registers ops in the `specdeploy` namespace (`torch.ops.specdeploy`). torch's C++ extension loader
+compiles a source once per machine (gcc >= 11 and ninja, about 25 s; later processes load the cached library
+from ~/.cache/torch_extensions). A kernel that cannot be built is logged once and its caller keeps its fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCES = Path(__file__).parent / "csrc"
+
+
+def build(name: str, flags: list[str]) -> bool:
+    """Compile and load csrc/<name>.cpp (library specdeploy_<name>); False where that fails (logged)."""
+    try:
+        import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    try:
+        from torch.utils.cpp_extension import load_inline
+        load_inline(f"specdeploy_{name}", cpp_sources=[(SOURCES / f"{name}.cpp").read_text()], extra_cflags=flags,
+                    is_python_module=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
+        log.warning("could not build the %s kernel (%s); its fallback runs", name, error)
+        return False
+    return True

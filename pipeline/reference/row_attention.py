@@ -1,0 +1,57 @@
+"""Batch-invariant attention of decode and verify rows as the project's own kernel (csrc/row_attention.cpp).
+
+Each row is computed alone, by one thread, in slot order (its scores, the softmax's maximum and sum, the weighted
+values), so a verify row and a plain decode step of the same token get the same bits whatever else the forward
+holds, without the per-row SDPA calls of the model's fallback (one SDPA batch element per row, keys aligned to
+KEY_ALIGN, pipeline/reference/model.py). torch's CPU SDPA costs about 2 ms for one row over SmolLM2's 30 layers
+and 0.5 ms per further row, in call overhead: the arithmetic is a few microseconds per layer.
+
+It runs where the CPU has AVX-512, the model computes in float32 with a float32 KV cache and the rows form chains
+(trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Numbers: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from pipeline.reference import cpp_ops
+
+ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this kernel can run
+FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
+
+log = logging.getLogger(__name__)
+
+
+def switched_on() -> bool:
+    """Whether the environment allows the kernel (REFERENCE_ROW_ATTENTION is not "0")."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+@functools.cache
+def kernel():
+    """`torch.ops.specdeploy` with `row_attention` built and loaded, or None where it cannot run here (no AVX-512,
+    REFERENCE_ROW_ATTENTION=0, or the build failed: logged once)."""
+    if not switched_on():
+        return None
+    if not torch.cpu._is_avx512_supported():
+        log.info("no AVX-512 on this CPU: attention runs on SDPA")
+        return None
+    if not cpp_ops.build("row_attention", FLAGS):
+        return None
+    return torch.ops.specdeploy
+
+
+def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the kernel takes these shapes: head_size a multiple of 16 up to 256, at most 8 query heads per KV head."""
+    return head_size % 16 == 0 and head_size <= 256 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  scale: float) -> torch.Tensor:
+    """q [T, H, D] over one layer's cache k, v [slots, KVH, D]; keys = (slots, starts, lengths): row t attends over
+    slots[starts[t]:starts[t] + lengths[t]]. -> [T, H * D]."""
+    return torch.ops.specdeploy.row_attention(q, k, v, *keys, scale)

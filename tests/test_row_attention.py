@@ -1,0 +1,97 @@
+"""The project's row attention kernel (pipeline/reference/row_attention.py): softmax attention to float32 accuracy,
+every row alone over its own keys, so its bits never depend on the other rows or the thread count; the model takes
+it for batch-invariant float32 forwards and gives the SDPA path's logits to float32 accuracy. Where the CPU has no
+AVX-512 the kernel is not built and these tests skip (the model's SDPA path is tested in tests/test_model.py)."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.reference import row_attention
+from pipeline.reference.model import LlamaModel, SequenceInput
+from tests.test_model import BLOCK, blocks_for, random_ids
+
+needs_kernel = pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="the kernel needs AVX-512")
+
+
+def reference(q, k, v, slots, starts, lengths) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v in float64, row by row, query head h reading KV head h // (H // KVH)."""
+    H, KVH, D = q.shape[1], k.shape[1], q.shape[2]
+    rows = []
+    for r in range(q.shape[0]):
+        keys = slots[starts[r]:starts[r] + lengths[r]]
+        ks, vs = k[keys].double(), v[keys].double()  # [S, KVH, D]
+        heads = [torch.softmax(ks[:, h // (H // KVH)] @ q[r, h].double() / math.sqrt(D), 0) @ vs[:, h // (H // KVH)]
+                 for h in range(H)]
+        rows.append(torch.cat(heads))
+    return torch.stack(rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16)])
+def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size):
+    assert row_attention.kernel() is not None
+    g = torch.Generator().manual_seed(heads * head_size)
+    k, v = torch.randn(600, kv_heads, head_size, generator=g), torch.randn(600, kv_heads, head_size, generator=g)
+    q = torch.randn(8, heads, head_size, generator=g) * 3
+    slots = torch.randperm(600, generator=g)
+    starts = torch.tensor([0, 0, 0, 0, 10, 10, 200, 599])
+    lengths = torch.tensor([1, 15, 16, 17, 300, 301, 400, 1])  # across 16-lane chunk boundaries
+    keys = (slots, starts, lengths)
+    out = row_attention.row_attention(q, k, v, keys, 1 / math.sqrt(head_size))
+    assert (out.double() - reference(q, k, v, *keys)).abs().max() < 1e-5
+    alone = torch.cat([row_attention.row_attention(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]),
+                                                   1 / math.sqrt(head_size)) for r in range(len(q))])
+    assert torch.equal(alone, out)  # a row's bits do not depend on the other rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(row_attention.row_attention(q, k, v, keys, 1 / math.sqrt(head_size)), out)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_bad_keys_and_shapes_are_clear_errors():
+    k = v = torch.zeros(10, 2, 32)
+    q = torch.zeros(1, 4, 32)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="slot 10 is not in the cache"):
+        row_attention.row_attention(q, k, v, (torch.tensor([10]), one, torch.tensor([1])), 1.0)
+    with pytest.raises(RuntimeError, match="row 0's keys are out of range"):
+        row_attention.row_attention(q, k, v, (torch.tensor([1]), one, torch.tensor([2])), 1.0)
+    with pytest.raises(RuntimeError, match="k and v must be float32"):
+        row_attention.row_attention(q, k.half(), v.half(), (torch.tensor([1]), one, torch.tensor([1])), 1.0)
+    assert not row_attention.supports(4, 2, 24) and not row_attention.supports(18, 1, 64)
+    assert row_attention.supports(9, 3, 64)
+
+
+@needs_kernel
+def test_the_model_takes_the_kernel_for_batch_invariant_float32_forwards_close_to_sdpa(tiny_llama, monkeypatch):
+    """The same prefill, verify and decode steps through the kernel and through the SDPA path: logits within float32
+    accuracy, and the kernel's verify rows equal its decode steps bit for bit."""
+    model = LlamaModel.from_hf(tiny_llama, batch_invariant=True)
+    assert row_attention.supports(model.num_heads, model.num_kv_heads, model.head_size)
+    ids = random_ids(46, seed=3)
+    table = blocks_for(0, 46)
+
+    def run():
+        kv = model.new_kv_cache(64, BLOCK)
+        model([SequenceInput(ids[:40], 0, table)], kv)
+        verify = model([SequenceInput(ids[40:], 40, table, logits_rows=list(range(6)))], kv).logits
+        kv = model.new_kv_cache(64, BLOCK)
+        model([SequenceInput(ids[:40], 0, table)], kv)
+        steps = torch.cat([model([SequenceInput([t], 40 + i, table)], kv).logits for i, t in enumerate(ids[40:])])
+        return verify, steps
+
+    calls = []
+    real = torch.ops.specdeploy.row_attention
+    monkeypatch.setattr(row_attention, "row_attention", lambda *a: calls.append(1) or real(a[0], a[1], a[2], *a[3], a[4]))
+    verify, steps = run()
+    assert calls and torch.equal(verify, steps)
+    monkeypatch.setattr(row_attention, "kernel", lambda: None)
+    calls.clear()
+    sdpa_verify, sdpa_steps = run()
+    assert not calls and torch.equal(sdpa_verify, sdpa_steps)
+    assert torch.allclose(verify, sdpa_verify, atol=1e-4, rtol=1e-4)
