@@ -4,7 +4,10 @@ Decoupled (serving.decoupled) it streams; otherwise every request gets one respo
 and calls the engines unary too, as NVIDIA's stock BLS does with decoupled_mode False.
 
 Every request runs as its own coroutine (pipeline.serving.bls.SpeculativeDecoder), so many
-requests stream concurrently while the target and draft models batch them in flight. A request
+requests stream concurrently while the target and draft models batch them in flight. A request's
+responses are sent on the event loop's next turn, in order: by then its next round's engine call is on
+its way, so the engine does not wait for the client's response (a send took about 0.5 ms of a round,
+traced). A request
 ends early with an explicit error when its client leaves (CANCELLED) or when the server's drain
 budget runs out (UNAVAILABLE); while the server drains, new requests are refused (UNAVAILABLE).
 """
@@ -53,7 +56,7 @@ class TritonPythonModel:
 
     async def _serve(self, request):
         sender = request.get_response_sender()
-        if not self.drain.admits():
+        if not self.drain.admits():  # nothing was sent for this request yet: no order to keep
             triton_io.send_final_error(sender, Unavailable(
                 f"{self.name}: the server is shutting down and takes no new requests; send it to another replica"))
             return
@@ -75,17 +78,27 @@ class TritonPythonModel:
                 arrays = responder.on_chunk(chunk)
                 if arrays is not None:
                     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
-                    triton_io.send(sender, arrays, flags)
+                    self._send_soon(triton_io.send, sender, arrays, flags)
         except Stopped as exc:
             if request.is_cancelled():
                 pb_utils.Logger.log_info(f"{self.name}: request cancelled by its client, {exc}")
-                triton_io.send_final_error(sender, exc)
+                self._send_soon(triton_io.send_final_error, sender, exc)
             else:
-                triton_io.send_final_error(sender, Unavailable(
+                self._send_soon(triton_io.send_final_error, sender, Unavailable(
                     f"{self.name}: the server shut down before this request finished ({exc}); retry it"))
         except Exception as exc:  # every error path closes the request, or its client waits forever
             if not request.is_cancelled():
-                triton_io.send_final_error(sender, exc)
+                self._send_soon(triton_io.send_final_error, sender, exc)
+
+    def _send_soon(self, send, *args):
+        """Run `send(*args)` on the event loop's next turn, after the sends scheduled before it (call_soon is FIFO)."""
+        asyncio.get_running_loop().call_soon(self._send_now, send, args)
+
+    def _send_now(self, send, args):
+        try:
+            send(*args)
+        except Exception as exc:  # the client may be gone; the request's coroutine has ended or sees is_cancelled()
+            pb_utils.Logger.log_error(f"{self.name}: a response could not be sent ({exc})")
 
     def finalize(self):
         self.client.close()
