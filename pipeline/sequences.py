@@ -35,13 +35,14 @@ def ngram_lookup(token_ids: Sequence[int], k: int, min_ngram: int, max_ngram: in
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         suffix = tokens[-n:]
         # where each occurrence's continuation starts, latest first; each occurrence has a following token
-        starts = [s + n for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == suffix]
-        if not starts:
+        occurrences = (s + n for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == suffix)
+        latest = next(occurrences, None)
+        if latest is None:
             continue
-        draft = tokens[starts[0]:starts[0] + k]
+        draft = tokens[latest:latest + k]
         if min_token_prob <= 0:
             return draft
-        prob = 1.0
+        starts, prob = [latest, *occurrences], 1.0
         for i, token in enumerate(draft):
             live = [s for s in starts if s + i < len(tokens)]  # occurrences that still have an i-th token
             agree = [s for s in live if tokens[s + i] == token]  # never empty: the latest occurrence agrees

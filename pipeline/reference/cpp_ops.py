@@ -10,12 +10,33 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
 
 
-def build(name: str, flags: list[str]) -> bool:
+def switched_on(env: str) -> bool:
+    """Whether the environment allows a kernel (its variable `env` is not "0")."""
+    return os.environ.get(env, "1") != "0"
+
+
+def load(name: str, env: str, cpu_supported: Callable[[], bool], flags: list[str], fallback: str):
+    """`torch.ops.specdeploy` with csrc/<name>.cpp's ops loaded, or None where they cannot run here: `env` is "0",
+    the CPU lacks what `cpu_supported` checks (logged: `fallback` says what runs instead), or the build failed."""
+    import torch
+
+    if not switched_on(env):
+        return None
+    if not cpu_supported():
+        log.info("%s: not for this CPU; %s", name, fallback)
+        return None
+    if not _build(name, flags):
+        return None
+    return torch.ops.specdeploy
+
+
+def _build(name: str, flags: list[str]) -> bool:
     """Compile and load csrc/<name>.cpp (library specdeploy_<name>); False where that fails (logged)."""
     try:
         import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH

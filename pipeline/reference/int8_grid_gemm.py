@@ -14,8 +14,6 @@ it cannot be built, `kernel()` is None and Int8PerToken stays on fbgemm.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 
 import torch
 
@@ -27,8 +25,6 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-
 # matrices, AMX / VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24.
 AMX_MIN_ROWS = 4
 
-log = logging.getLogger(__name__)
-
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX512-VNNI, which the kernel needs (torch's detector)."""
@@ -37,7 +33,7 @@ def cpu_has_vnni() -> bool:
 
 def switched_on() -> bool:
     """Whether the environment allows the kernel (REFERENCE_INT8_KERNEL is not "0")."""
-    return os.environ.get(ENV, "1") != "0"
+    return cpp_ops.switched_on(ENV)
 
 
 @functools.cache
@@ -50,14 +46,7 @@ def amx_min_rows() -> int:
 def kernel():
     """`torch.ops.specdeploy` with `int8_pack` and `int8_grid_gemm` built and loaded, or None where they
     cannot run here (no AVX512-VNNI, REFERENCE_INT8_KERNEL=0, or the build failed: logged once)."""
-    if not switched_on():
-        return None
-    if not cpu_has_vnni():
-        log.info("no AVX512-VNNI on this CPU: int8_sq GEMMs run on fbgemm")
-        return None
-    if not cpp_ops.build("int8_grid_gemm", FLAGS):
-        return None
-    return torch.ops.specdeploy
+    return cpp_ops.load("int8_grid_gemm", ENV, cpu_has_vnni, FLAGS, "int8_sq GEMMs run on fbgemm (no AVX512-VNNI)")
 
 
 class PackedInt8:

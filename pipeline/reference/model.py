@@ -389,6 +389,7 @@ class _AttentionPlan:
         token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
         decodes: list[tuple[int, torch.Tensor, int]] = []  # one-token sequences (row, slots, key count): grouped last
         key_slots, key_starts, key_lengths = [], [], []  # row_keys: each sequence's slots once, each row's span
+        key_offset = 0  # where the next sequence's slots start in the concatenated key_slots
         row = 0
         for seq in seqs:
             n, c = len(seq.token_ids), seq.num_cached
@@ -412,10 +413,10 @@ class _AttentionPlan:
             positions += [c + d - 1 for d in depth]
             slots.append(all_slots[c:c + n])
             if row_keys:
-                start = sum(len(s) for s in key_slots)
                 key_slots.append(all_slots[:c + n])
-                key_starts += [start] * n
+                key_starts += [key_offset] * n
                 key_lengths += range(c + 1, c + n + 1)
+                key_offset += c + n
             elif n == 1:
                 decodes.append((row, all_slots, c + 1))
             else:

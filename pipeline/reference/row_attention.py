@@ -13,8 +13,6 @@ It runs where the CPU has AVX-512, the model computes in float32 with a float32 
 from __future__ import annotations
 
 import functools
-import logging
-import os
 
 import torch
 
@@ -23,26 +21,17 @@ from pipeline.reference import cpp_ops
 ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this kernel can run
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
 
-log = logging.getLogger(__name__)
-
 
 def switched_on() -> bool:
     """Whether the environment allows the kernel (REFERENCE_ROW_ATTENTION is not "0")."""
-    return os.environ.get(ENV, "1") != "0"
+    return cpp_ops.switched_on(ENV)
 
 
 @functools.cache
 def kernel():
     """`torch.ops.specdeploy` with `row_attention` built and loaded, or None where it cannot run here (no AVX-512,
     REFERENCE_ROW_ATTENTION=0, or the build failed: logged once)."""
-    if not switched_on():
-        return None
-    if not torch.cpu._is_avx512_supported():
-        log.info("no AVX-512 on this CPU: attention runs on SDPA")
-        return None
-    if not cpp_ops.build("row_attention", FLAGS):
-        return None
-    return torch.ops.specdeploy
+    return cpp_ops.load("row_attention", ENV, torch.cpu._is_avx512_supported, FLAGS, "attention runs on SDPA (no AVX-512)")
 
 
 def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
