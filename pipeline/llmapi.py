@@ -86,7 +86,7 @@ def decoding_config(spec: Spec, draft_dir: Path | None, release: str = stack.TRT
         return None
     if mode.has_draft_engine:
         return {"decoding_type": names["draft_target"], "max_draft_len": s.num_draft_tokens, model_key: str(draft_dir)}
-    if mode.bls_lookup:  # prompt lookup in the request's own context, latest match first (our NgramProposer)
+    if mode.prompt_lookup:  # prompt lookup in the request's own context, latest match first (our NgramProposer)
         ngram = s.ngram
         return {"decoding_type": names["ngram"], "max_draft_len": s.num_draft_tokens,
                 "max_matching_ngram_size": ngram.max_ngram if ngram else 3,

@@ -15,8 +15,10 @@ class ModeTraits:
 
     speculates: bool  # False only for mode none
     has_draft_engine: bool  # a second engine (tensorrt_llm_draft) built from models.draft proposes
-    bls_drafts: bool  # the BLS runs propose/verify rounds, sending drafts to the target (draft_tokens_external)
-    bls_lookup: bool  # the BLS makes the drafts itself by prompt lookup (speculative.ngram)
+    # the BLS runs propose/verify rounds, sending drafts to the target (draft_tokens_external); for prompt lookup
+    # only where the toolchain's engine does not run it itself (pipeline.toolchains.lookup_in_engine)
+    bls_drafts: bool
+    prompt_lookup: bool  # the drafts come from prompt lookup in the request's context (speculative.ngram), no model
     engine_decoding_mode: str | None  # the target engine's speculative_decoding_mode (trtllm-build), None: plain
     heads_field: str | None  # the speculative.<field> section whose heads the target engine carries (medusa, eagle)
     requires: str | None  # the spec section the mode needs
@@ -25,18 +27,18 @@ class ModeTraits:
 
 
 MODES: dict[str, ModeTraits] = {
-    "none": ModeTraits(speculates=False, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
+    "none": ModeTraits(speculates=False, has_draft_engine=False, bls_drafts=False, prompt_lookup=False,
                        engine_decoding_mode=None, heads_field=None, requires=None),
-    "draft_target": ModeTraits(speculates=True, has_draft_engine=True, bls_drafts=True, bls_lookup=False,
+    "draft_target": ModeTraits(speculates=True, has_draft_engine=True, bls_drafts=True, prompt_lookup=False,
                                engine_decoding_mode="draft_tokens_external", heads_field=None, requires="models.draft"),
-    "ngram": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=True, bls_lookup=True,
+    "ngram": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=True, prompt_lookup=True,
                         engine_decoding_mode="draft_tokens_external", heads_field=None, requires=None),
-    "medusa": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
+    "medusa": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, prompt_lookup=False,
                          engine_decoding_mode="medusa", heads_field="medusa", requires="speculative.medusa"),
-    "eagle": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
+    "eagle": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, prompt_lookup=False,
                         engine_decoding_mode="eagle", heads_field="eagle", requires="speculative.eagle"),
     # DeepSeek-V3-style multi-token prediction: the LLM API's MTPDecodingConfig, PyTorch backend only
-    "mtp": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, bls_lookup=False,
+    "mtp": ModeTraits(speculates=True, has_draft_engine=False, bls_drafts=False, prompt_lookup=False,
                       engine_decoding_mode=None, heads_field=None, requires=None, drafts_in_target=True,
                       toolchains=("trtllm-llmapi",)),
 }

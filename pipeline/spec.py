@@ -392,7 +392,7 @@ def check_combinations(spec: Spec) -> None:
                             f"remove {where} or set speculative.mode to the mode that uses it")
     if mode.requires is not None and present[mode.requires] is None:
         raise SpecError(mode.requires, f"is required for speculative.mode {s.mode!r}", f"add the {mode.requires} section")
-    if s.ngram is not None and not mode.bls_lookup:
+    if s.ngram is not None and not mode.prompt_lookup:
         raise SpecError("speculative.ngram", f"is set but speculative.mode is {s.mode!r}", "remove it or use mode ngram")
     if s.mtp is not None and not mode.drafts_in_target:
         raise SpecError("speculative.mtp", f"is set but speculative.mode is {s.mode!r}", "remove it or use mode mtp")

@@ -5,12 +5,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline.reference.engine import LLMEngine
+from pipeline.reference.engine import EngineInputError, LLMEngine
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving.bls import BACK_OFF_TOKENS, ROUNDS_BEFORE_ACCEPTANCE_CHECK, SpeculativeDecoder
+from pipeline.serving.bls import BACK_OFF_TOKENS, PLAIN_CHUNK_TOKENS, ROUNDS_BEFORE_ACCEPTANCE_CHECK, Returns, SpeculativeDecoder
 from pipeline.serving.errors import Stopped
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings, parse_text_request
+from pipeline.serving.reference_adapter import engine_request, load_serving_engine
 from pipeline.serving.text import load_tokenizer
 
 
@@ -18,13 +19,16 @@ class Rounds:
     """Collects what the decoder reports per round."""
 
     def __init__(self):
-        self.rounds, self.fallbacks = [], 0
+        self.rounds, self.fallbacks, self.engine = [], 0, []
 
     def round(self, proposed, accepted):
         self.rounds.append((proposed, accepted))
 
     def fallback(self):
         self.fallbacks += 1
+
+    def engine_counts(self, proposed, accepted):
+        self.engine.append((proposed, accepted))
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +69,52 @@ def test_speculative_equals_plain_greedy(engines, mode):
     assert stats.total_draft_tokens == sum(p for p, _ in sink.rounds) > 0
     assert stats.total_accepted_draft_tokens == sum(a for _, a in sink.rounds)
     assert all(0 <= a <= p <= 3 for p, a in sink.rounds)
+
+
+LOOKUP_PARAMETERS = {"speculative_mode": "ngram", "num_draft_tokens": "3", "ngram_min": "1", "ngram_max": "3",
+                     "ngram_min_token_prob": "0", "min_acceptance_rate": "0"}
+
+
+def test_engine_lookup_streams_forwards_k_and_counts_the_engines_drafts(engines, tiny_spec_engines):
+    """Where the target engine runs prompt lookup itself (the reference toolchain), the BLS makes no rounds: it
+    streams plain calls that carry the request's K (0 keeps the engine plain), adds up the acceptance counters
+    the engine returns, and the greedy text equals plain decoding's."""
+    _, tokenizer = engines
+    runner = EngineRunner(load_serving_engine(tiny_spec_engines.spec.out_dir / "engines" / "target", LOOKUP_PARAMETERS))
+    try:
+        settings = BlsSettings(tokenizer_dir="", speculative_mode="ngram", max_draft_len=4, max_input_len=48,
+                               max_seq_len=64, verify_input_len=63, engine_lookup=True)
+        sink, client = Rounds(), RecordingClient(LocalModelClient({"tensorrt_llm": runner}))
+        decoder = SpeculativeDecoder(settings, client, sink)
+        text = "the the the cat sat on the mat and the cat sat on the"
+        plain, plain_stats = run(decoder, tokenizer, settings, text, 24, 0)
+        assert plain_stats.total_draft_tokens == 0 and not sink.engine
+        spec, stats = run(decoder, tokenizer, settings, text, 24, 3)
+        assert spec == plain and len(plain) == 24
+        assert not sink.rounds  # no BLS round: the engine drafted and verified in its own steps
+        assert stats.total_draft_tokens == sum(p for p, _ in sink.engine) > 0
+        assert stats.total_accepted_draft_tokens == sum(a for _, a in sink.engine)
+        calls = -(-24 // PLAIN_CHUNK_TOKENS)
+        assert not client.calls and client.streams == [0] * calls + [3] * calls
+    finally:
+        runner.close()
+
+
+def test_engine_lookup_takes_k_per_request_within_the_engines_limit(tiny_spec_engines):
+    """The tensorrt_llm input num_draft_tokens reaches the engine request; more than max_draft_len is refused by name."""
+    engine = load_serving_engine(tiny_spec_engines.spec.out_dir / "engines" / "target", LOOKUP_PARAMETERS)
+    for k in (0, 2, engine.config.max_draft_len + 1):
+        request, _ = engine_request({"input_ids": np.array([[5, 6, 7]], dtype=np.int32),
+                                     "request_output_len": np.array([[8]], dtype=np.int32),
+                                     "num_draft_tokens": np.array([[k]], dtype=np.int32)}, f"r{k}", True,
+                                    engine.model.vocab_size)
+        assert request.num_draft_tokens == k
+        if k > engine.config.max_draft_len:
+            with pytest.raises(EngineInputError) as err:
+                engine.add_request(request)
+            assert err.value.field == "num_draft_tokens"
+        else:
+            engine.add_request(request)
 
 
 def test_stop_words_and_max_tokens(engines):
@@ -144,18 +194,19 @@ def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
 
 class RecordingClient:
     """The in-process client, recording the requests in flight (`in_flight`) as each non-streaming call (a round's
-    draft or verify) starts; calls pass through to the real engines."""
+    draft or verify) starts, and the K each streaming call carries; calls pass through to the real engines."""
 
     def __init__(self, inner: LocalModelClient):
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.streams = inner, [], []
         self.in_flight = lambda: 0
 
     async def generate(self, model, *args, **kwargs):
         self.calls.append((model, self.in_flight()))
         return await self.inner.generate(model, *args, **kwargs)
 
-    def stream(self, *args, **kwargs):
-        return self.inner.stream(*args, **kwargs)
+    def stream(self, model, prompt_ids, max_new, req, seed, returns=Returns(), engine_draft_len=None):
+        self.streams.append(engine_draft_len)
+        return self.inner.stream(model, prompt_ids, max_new, req, seed, returns, engine_draft_len)
 
     def round_starts(self, mode: str) -> list[int]:
         """Requests in flight when each round's first call went out (the draft's, or the target's for prompt lookup)."""

@@ -299,3 +299,38 @@ def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engi
     measured_draft_token_cost(plan, target, draft)
     (added,) = set(json.loads(memo_path.read_text())) - before
     assert f"{env}=0" in added
+
+
+@pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
+def test_prompt_lookup_runs_in_the_reference_engine_and_in_the_trtllm_bls(tiny_spec_engines, toolchain, tmp_path):
+    """speculative.mode ngram: the reference engine drafts by prompt lookup in its own steps, so its tensorrt_llm
+    carries the lookup's settings and the num_draft_tokens input, and the BLS only forwards K (engine_lookup).
+    TensorRT engines cannot look up: there the BLS does (draft_tokens_external) and tensorrt_llm keeps NVIDIA's
+    interface. Both repositories validate."""
+    from pipeline.reference.policy import PolicyConfig
+    from pipeline.serving.params import BlsSettings
+    from pipeline.serving.reference_adapter import lookup_proposer
+    from pipeline.spec import NgramSpec
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, models=dataclasses.replace(spec.models, draft=None), speculative=dataclasses.replace(
+        spec.speculative, mode="ngram", ngram=NgramSpec(1, 3, 0.4), num_draft_tokens=3, max_batch_for_speculation=4))
+    plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    assert draft is None
+    models = {m.name: m for m in repo_models(plan, target, None, draft_token_cost=0.25)}
+    validate_repo(write_repo(list(models.values()), tmp_path / "model_repo"), spec, target, None)
+    engine, settings = models["tensorrt_llm"], BlsSettings.from_parameters(models["tensorrt_llm_bls"].parameters)
+    if toolchain == "reference":
+        assert "num_draft_tokens" in {t.name for t in engine.inputs}
+        assert settings.engine_lookup and "ngram_min" not in models["tensorrt_llm_bls"].parameters
+        proposer = lookup_proposer(engine.parameters, target.max_draft_len)
+        assert (proposer.inner.min_ngram, proposer.inner.max_ngram, proposer.inner.min_token_prob) == (1, 3, 0.4)
+        assert proposer.config == PolicyConfig(num_draft_tokens=3, max_draft_tokens=target.max_draft_len, adaptive=True,
+                                               min_acceptance_rate=spec.speculative.min_acceptance_rate,
+                                               draft_token_costs=((1, 0.25),), max_batch_for_speculation=4,
+                                               min_new_tokens_for_speculation=0)
+    else:
+        assert "num_draft_tokens" not in {t.name for t in engine.inputs}
+        assert "speculative_mode" not in engine.parameters and not settings.engine_lookup
+        assert (settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob) == (1, 3, 0.4)

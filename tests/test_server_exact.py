@@ -1,5 +1,6 @@
 """Greedy identity through the real Triton server (issue 11): speculative output equals plain output token for
 token, at concurrency 1 and with 8 requests in flight, and plain output does not depend on the concurrency.
+Prompt lookup runs inside the reference engine (pipeline.toolchains.lookup_in_engine): the BLS forwards K.
 
 The served engine runs batch-invariant (load_serving_engine's default): int8 kernels take all rows at once,
 attention runs every token as its own SDPA batch element over aligned keys (pipeline/reference/model.py).
@@ -90,8 +91,8 @@ def test_verified_tokens_get_plain_decodings_logits_bit_for_bit(exact_server, de
     prompts = [tok.encode(t, add_special_tokens=False)[:200] for t in summarize_prompts(derived_pair[0])]
     url = exact_server.grpc_url
 
-    def plain(ids: list[int]) -> dict:
-        return engine_request(ids, 6, return_generation_logits=True)
+    def plain(ids: list[int]) -> dict:  # num_draft_tokens 0: the engine's own prompt lookup stays off
+        return engine_request(ids, 6, return_generation_logits=True, num_draft_tokens=0)
 
     def verify(ids: list[int], draft: list[int]) -> dict:
         return {**plain(ids), "draft_input_ids": np.array([draft], dtype=np.int32)}

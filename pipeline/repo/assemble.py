@@ -23,9 +23,9 @@ from pathlib import Path
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, ModelConfigSpec
-from pipeline.repo.interface import interface
-from pipeline.spec import Spec, SpecError
-from pipeline.toolchains import toolchain_traits
+from pipeline.repo.interface import ENGINE_LOOKUP_INPUTS, interface
+from pipeline.spec import NgramSpec, Spec, SpecError
+from pipeline.toolchains import lookup_in_engine, toolchain_traits
 from specbuild.plan import Plan, engine_limits
 
 MODEL_CODE_DIR = Path(__file__).resolve().parent.parent.parent / "model_repo"
@@ -69,8 +69,20 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float) -> ModelConfigSpec:
-    """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python)."""
+def _ngram_params(ngram) -> dict[str, str]:
+    """Prompt lookup's settings (a `pipeline.spec.NgramSpec`, None: its defaults) as model parameters."""
+    ngram = ngram or NgramSpec()
+    return {"ngram_min": str(ngram.min_ngram), "ngram_max": str(ngram.max_ngram),
+            "ngram_min_token_prob": str(ngram.min_token_prob)}
+
+
+def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float,
+                 draft_token_cost: float = 0.0) -> ModelConfigSpec:
+    """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python).
+
+    draft_token_cost: the break-even acceptance measured on the engines (`measured_draft_token_cost`), for the
+    switch-off of a target engine that runs prompt lookup itself.
+    """
     s = spec.speculative
     params = {
         "gpt_model_type": "inflight_fused_batching",
@@ -89,12 +101,18 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
                        f"{heads_field}_choices": _choices_brace(getattr(s, heads_field).choices)})
         if heads_field == "eagle" and toolchain_traits(toolchain).grows_eagle2_tree and s.eagle.version == 2:
             params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
+    engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
+    if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
+        params.update(speculative_mode=s.mode, num_draft_tokens=str(s.num_draft_tokens), **_ngram_params(s.ngram),
+                      min_acceptance_rate=str(s.min_acceptance_rate), draft_token_cost=str(draft_token_cost),
+                      max_batch_for_speculation=str(s.max_batch_for_speculation))
     if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
+    inputs = iface.inputs if engine_lookup else tuple(t for t in iface.inputs if t.name not in ENGINE_LOOKUP_INPUTS)
     return ModelConfigSpec(
         name=name, backend=toolchain_traits(toolchain).engine_backend,
-        max_batch_size=spec.engine.max_batch_size, inputs=iface.inputs, outputs=iface.outputs,
+        max_batch_size=spec.engine.max_batch_size, inputs=inputs, outputs=iface.outputs,
         decoupled=spec.serving.decoupled, instance_count=1,
         # The engine batches in flight itself (decoupled or not, requests are handed over at once): no queue delay.
         dynamic_batching=DynamicBatching(preferred_batch_size=(spec.engine.max_batch_size,), max_queue_delay_microseconds=0),
@@ -125,7 +143,6 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
     draft_token_cost: the break-even acceptance measured on the engines (`measured_draft_token_cost`).
     """
     s = spec.speculative
-    ngram = s.ngram
     params = {
         "accumulate_tokens": "false",
         "tensorrt_llm_model_name": "tensorrt_llm",
@@ -148,9 +165,10 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "max_batch_for_speculation": str(s.max_batch_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
     }
-    if traits(s.mode).bls_lookup:
-        params.update(ngram_min=str(ngram.min_ngram if ngram else 1), ngram_max=str(ngram.max_ngram if ngram else 3),
-                      ngram_min_token_prob=str(ngram.min_token_prob if ngram else 0.0))
+    if lookup_in_engine(s.mode, toolchain):  # the target drafts: the BLS streams and forwards each request's K
+        params["engine_lookup"] = "true"
+    elif traits(s.mode).prompt_lookup:
+        params.update(_ngram_params(s.ngram))
     iface = interface("tensorrt_llm_bls")
     return ModelConfigSpec(name="tensorrt_llm_bls", backend="python", max_batch_size=spec.engine.max_batch_size,
                            inputs=iface.inputs, outputs=iface.outputs, decoupled=spec.serving.decoupled,
@@ -224,7 +242,7 @@ def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
     kv = kv_fractions(plan)
     models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
-              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"])]
+              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"], draft_token_cost)]
     if draft is not None:
         models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
     bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, draft_token_cost)

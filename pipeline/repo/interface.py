@@ -51,10 +51,12 @@ class Interface:
 # Text responses also carry `output_ids`, the token ids behind each text delta, so that a client can
 # line up output_log_probs / generation_logits with tokens (the OpenAI frontend's logprobs).
 OUTPUT_IDS = TensorSpec("output_ids", "TYPE_INT32", (-1,))
+ENGINE_DRAFT_LEN = TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True)
 BLS_PARAMETER_KEYS = frozenset({
     "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
     "ngram_min", "ngram_max", "ngram_min_token_prob", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
-    "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation", "skip_special_tokens", "stall_timeout_s"})
+    "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation", "skip_special_tokens", "stall_timeout_s",
+    "engine_lookup"})
 EXTENSIONS: dict[str, Interface] = {
     "ensemble": Interface(
         inputs=(TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True),
@@ -63,9 +65,15 @@ EXTENSIONS: dict[str, Interface] = {
                                                                   "tensorrt_llm_draft_model_name"}),
     "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS),
     # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses
-    # eagle_choices), and batch_invariant (default true: exact greedy speculation, see load_serving_engine).
-    "tensorrt_llm": Interface(inputs=(), outputs=(), parameter_keys=frozenset({"eagle_dynamic_tree_top_k", "batch_invariant"})),
+    # eagle_choices), batch_invariant (default true: exact greedy speculation, see load_serving_engine), and
+    # prompt lookup inside the engine (toolchains.lookup_in_engine): its settings, and each request's K as the
+    # input num_draft_tokens (0: plain decoding), which the BLS forwards.
+    "tensorrt_llm": Interface(inputs=(ENGINE_DRAFT_LEN,), outputs=(), parameter_keys=frozenset({
+        "eagle_dynamic_tree_top_k", "batch_invariant", "speculative_mode", "num_draft_tokens", "ngram_min", "ngram_max",
+        "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation"})),
 }
+# Inputs only an engine that runs prompt lookup itself reads (TensorRT-LLM's tensorrtllm backend has none of them).
+ENGINE_LOOKUP_INPUTS = frozenset({ENGINE_DRAFT_LEN.name})
 
 
 @functools.lru_cache(maxsize=1)

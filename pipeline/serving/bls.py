@@ -19,7 +19,13 @@ Log-probabilities and logits a request asks for (return_log_probs, return_genera
 return_context_logits) come from the target's calls only, so they are the target's whatever proposed
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
-stream from target calls of PLAIN_CHUNK_TOKENS tokens. A draft failure switches that request to
+stream from target calls of PLAIN_CHUNK_TOKENS tokens. So do prompt-lookup requests where the target
+engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
+PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
+does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
+adaptive draft length, the switch-off bar and the batch gate: load_serving_engine), and the BLS only adds up
+the acceptance counters the engine returns. That saves the BLS round trip of every round (3-4 ms on
+these CPUs, docs/benchmarks.md), and a lookup miss costs one plain step instead of K + 1 plain tokens. A draft failure switches that request to
 plain decoding, counted and logged. Acceptance below the switch-off bar after
 ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds (min_acceptance_rate, or the measured break-even
 `draft_token_cost` when that is higher: what a draft token costs a round, in plain steps; a draft
@@ -87,11 +93,15 @@ class Generation:
     logits: np.ndarray | None = None  # [n, vocab] raw logits (return_generation_logits)
     log_probs: list[float] | None = None  # [n] (return_log_probs)
     context_logits: np.ndarray | None = None  # [prompt_len, vocab] (return_context_logits)
+    # a target that drafts itself (engine_lookup): its draft tokens and accepted ones so far in this call (totals)
+    drafted: int = 0
+    accepted: int = 0
 
     def head(self, n: int) -> "Generation":
         """The first n tokens with their per-token outputs."""
         return Generation(self.tokens[:n], None if self.logits is None else self.logits[:n],
-                          None if self.log_probs is None else self.log_probs[:n], self.context_logits)
+                          None if self.log_probs is None else self.log_probs[:n], self.context_logits,
+                          self.drafted, self.accepted)
 
 
 class ModelClient(Protocol):
@@ -104,8 +114,9 @@ class ModelClient(Protocol):
         ...
 
     def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
-               returns: Returns = Returns()) -> AsyncIterator[Generation]:
-        """One streaming call: yields new tokens (and what `returns` asks for) as the model produces them."""
+               returns: Returns = Returns(), engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
+        """One streaming call: yields new tokens (and what `returns` asks for) as the model produces them.
+        engine_draft_len: K for a target that drafts itself (engine_io.engine_inputs)."""
         ...
 
 
@@ -138,6 +149,7 @@ class SpecMetricsSink(Protocol):
     """Where rounds are counted (Prometheus families in the server)."""
 
     def round(self, proposed: int, accepted: int) -> None: ...
+    def engine_counts(self, proposed: int, accepted: int) -> None: ...  # a target's own drafts, totals of one call
     def fallback(self) -> None: ...
 
 
@@ -152,7 +164,7 @@ class SpeculativeDecoder:
         self.log_warning = log_warning
         # prompt lookup's settings when the BLS makes the drafts itself (mode ngram), else None
         self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
-                      if traits(settings.speculative_mode).bls_lookup else None)
+                      if traits(settings.speculative_mode).prompt_lookup else None)
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
@@ -199,6 +211,9 @@ class SpeculativeDecoder:
         stats = RequestStats()
         generated: list[int] = []
         speculate = self.speculates(req)
+        engine_k = None  # K for a target that drafts itself: every call carries it, 0 keeps the request plain
+        if self.settings.engine_lookup:
+            engine_k, speculate = (req.num_draft_tokens if speculate else 0), False
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
         draft_len = req.num_draft_tokens  # adaptive: shorter after a rejection, longer after a full accept, at most K
         evidence = RequestStats()  # the rounds since speculation last (re)started: what the switch-off bar judges
@@ -217,7 +232,7 @@ class SpeculativeDecoder:
                 elif backed_off:
                     budget = min(resume_at - len(generated), remaining)
                 got, reason = 0, None
-                async for out in self._plain(req, generated, budget, cancelled):
+                async for out in self._plain(req, generated, budget, cancelled, engine_k, stats):
                     got += len(out.tokens)
                     keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
                     generated += out.tokens[:keep]
@@ -259,16 +274,23 @@ class SpeculativeDecoder:
             raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)
 
-    async def _plain(self, req: TextRequest, generated: list[int], max_new: int,
-                     cancelled: Callable[[], bool]) -> AsyncIterator[Generation]:
+    async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
+                     engine_k: int | None = None, stats: RequestStats | None = None) -> AsyncIterator[Generation]:
+        """Target calls of at most PLAIN_CHUNK_TOKENS tokens; engine_k: K for a target that drafts itself, whose
+        counters each call adds to `stats` and the metrics."""
         done = 0
         while done < max_new:
             chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
-            got = 0
+            got, last = 0, None
             async for out in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
-                                                role_seed(req.sampling.seed, ROLE_TARGET), _target_returns(req, generated)):
-                got += len(out.tokens)
+                                                role_seed(req.sampling.seed, ROLE_TARGET), _target_returns(req, generated),
+                                                engine_draft_len=engine_k):
+                got, last = got + len(out.tokens), out
                 yield out  # the caller appends its tokens to `generated`
+            if last is not None and last.drafted and stats is not None:
+                stats.total_draft_tokens += last.drafted
+                stats.total_accepted_draft_tokens += last.accepted
+                self.metrics.engine_counts(last.drafted, last.accepted)
             done += got
             if got < chunk or cancelled():  # the target stopped (end_id / stop word), or the client left
                 return

@@ -150,18 +150,20 @@ class TritonModelClient:
         return join_generations(parts)
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
-                     seed: int | None, returns: Returns = Returns()) -> AsyncIterator[Generation]:
+                     seed: int | None, returns: Returns = Returns(),
+                     engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
         """One streaming call: yields each response's new tokens (and what `returns` asks for); a non-decoupled
-        model answers once, with all of them."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled, None, None, returns)
-        async for part in self._generations(model, inputs, returns):
+        model answers once, with all of them. engine_draft_len: K for a target that drafts itself."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled, None, None, returns, engine_draft_len)
+        async for part in self._generations(model, inputs, returns, counters=engine_draft_len is not None):
             if part.tokens or part.context_logits is not None:
                 yield part
 
     async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns,
-                           collect: bool = False) -> AsyncIterator[Generation]:
+                           collect: bool = False, counters: bool = False) -> AsyncIterator[Generation]:
         names = {"output_log_probs": returns.log_probs, "generation_logits": returns.generation_logits,
-                 "context_logits": returns.context_logits}
+                 "context_logits": returns.context_logits,
+                 "total_draft_tokens": counters, "total_accepted_draft_tokens": counters}
         outputs = ["output_ids", "sequence_length"] + [name for name, wanted in names.items() if wanted]
         async for response in self._responses(model, inputs, outputs, collect):
             arrays = response_outputs(response)

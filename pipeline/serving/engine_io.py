@@ -3,7 +3,7 @@
 NVIDIA's input names (input_ids, request_output_len, draft_input_ids, draft_logits, end_id,
 runtime_top_k, return_log_probs, ...); the reference engine reads them back in reference_adapter.py.
 `generation_from_arrays` reads a response (output_ids, sequence_length, output_log_probs,
-generation_logits, context_logits) back into a Generation.
+generation_logits, context_logits, and the engine's own acceptance counters) back into a Generation.
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ from pipeline.serving.text import to_word_list_format
 
 
 def engine_inputs(prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None, streaming: bool,
-                  draft_ids: list[int] | None, draft_logits: np.ndarray | None, returns: Returns) -> dict[str, np.ndarray]:
-    """tensorrt_llm input arrays (batch dimension 1) for one call."""
+                  draft_ids: list[int] | None, draft_logits: np.ndarray | None, returns: Returns,
+                  engine_draft_len: int | None = None) -> dict[str, np.ndarray]:
+    """tensorrt_llm input arrays (batch dimension 1) for one call.
+
+    engine_draft_len: K for a target engine that drafts itself by prompt lookup (num_draft_tokens, 0: plain);
+    the call then asks for the engine's acceptance counters (return_perf_metrics, NVIDIA's switch for them).
+    """
     s = req.sampling
     already = len(prompt_ids) - len(req.prompt_ids)  # tokens generated before this call
     arrays = {
@@ -46,8 +51,11 @@ def engine_inputs(prompt_ids: list[int], max_new: int, req: TextRequest, seed: i
         arrays["draft_input_ids"] = np.array([draft_ids], dtype=np.int32)  # [1, k]
     if draft_logits is not None:
         arrays["draft_logits"] = np.ascontiguousarray(draft_logits, dtype=np.float32)[None]  # [1, k, vocab]
+    if engine_draft_len is not None:
+        arrays["num_draft_tokens"] = np.array([[engine_draft_len]], dtype=np.int32)
     for name, wanted in (("return_generation_logits", returns.generation_logits), ("return_log_probs", returns.log_probs),
-                         ("return_context_logits", returns.context_logits)):
+                         ("return_context_logits", returns.context_logits),
+                         ("return_perf_metrics", engine_draft_len is not None)):
         if wanted:
             arrays[name] = np.array([[True]], dtype=bool)
     return arrays
@@ -59,7 +67,9 @@ def generation_from_arrays(arrays: dict[str, np.ndarray]) -> Generation:
     n = int(arrays["sequence_length"].reshape(-1)[0])
     tokens = arrays["output_ids"].reshape(-1)[:n].tolist()
     logits, log_probs, context = (arrays.get(name) for name in ("generation_logits", "output_log_probs", "context_logits"))
-    return Generation(tokens=tokens,
+    drafted, accepted = (int(arrays[name].reshape(-1)[0]) if name in arrays else 0
+                         for name in ("total_draft_tokens", "total_accepted_draft_tokens"))
+    return Generation(tokens=tokens, drafted=drafted, accepted=accepted,
                       logits=None if logits is None else logits.reshape(-1, logits.shape[-1]),  # [n, vocab]
                       log_probs=None if log_probs is None else log_probs.reshape(-1).tolist(),
                       context_logits=None if context is None else context.reshape(-1, context.shape[-1]))  # [L, vocab]
@@ -71,5 +81,6 @@ def join_generations(parts: list[Generation]) -> Generation:
     log_probs = [p.log_probs for p in parts if p.log_probs is not None]
     context = [p.context_logits for p in parts if p.context_logits is not None]
     return Generation(tokens=[t for p in parts for t in p.tokens], logits=np.concatenate(logits) if logits else None,
+                      drafted=max((p.drafted for p in parts), default=0), accepted=max((p.accepted for p in parts), default=0),
                       log_probs=[v for lp in log_probs for v in lp] if log_probs else None,
                       context_logits=context[0] if context else None)

@@ -34,9 +34,10 @@ class LocalModelClient:
         return join_generations([part async for part in self._generations(model, inputs)])
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
-                     seed: int | None, returns: Returns = Returns()) -> AsyncIterator[Generation]:
+                     seed: int | None, returns: Returns = Returns(),
+                     engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
         """One streaming call."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, returns)
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, returns, engine_draft_len)
         async for part in self._generations(model, inputs):
             if part.tokens or part.context_logits is not None:
                 yield part

@@ -62,8 +62,12 @@ class SpecMetrics:
         """Add speculation counted elsewhere (iteration_stats.SpecDecodeCounts: the LLM API's iteration stats,
         which carry totals, not single rounds: the acceptance-length histogram and per-position counters stay)."""
         self.rounds.increment(counts.rounds)
-        self.draft_tokens.increment(counts.drafted)
-        self.accepted_tokens.increment(counts.accepted)
+        self.engine_counts(counts.drafted, counts.accepted)
+
+    def engine_counts(self, proposed: int, accepted: int) -> None:
+        """Add one call's totals of a target engine that drafts itself (no rounds: its responses do not count them)."""
+        self.draft_tokens.increment(proposed)
+        self.accepted_tokens.increment(accepted)
 
     def fallback(self) -> None:
         """Count a request that lost its draft model."""

@@ -121,6 +121,9 @@ class BlsSettings:
     ngram_min: int = 1
     ngram_max: int = 3
     ngram_min_token_prob: float = 0.0
+    # the target engine runs prompt lookup itself (pipeline.toolchains.lookup_in_engine): requests stream from it,
+    # and each call carries the request's K as num_draft_tokens (0: plain)
+    engine_lookup: bool = False
     max_input_len: int = 1024
     max_seq_len: int = 2048
     verify_input_len: int = 2047  # longest input_ids the target accepts (a verify call re-sends the sequence)

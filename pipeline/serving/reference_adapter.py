@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from pipeline.reference.engine import LLMEngine, Request, RequestOutput
+from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
 from pipeline.serving.errors import RequestError
 from pipeline.serving.params import ENGINE_SAMPLING_NAMES, read_sampling, scalar
@@ -147,8 +149,10 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
         # so row r saw input_ids + draft[:r] and the same penalties and temperature/top-k/top-p.
         contexts = [prompt + draft[:r] for r in range(len(draft))]
         draft_probs = probabilities(process_logits(logits, contexts, len(prompt), sampling), sampling)  # [k, vocab]
+    k = scalar(inputs, "num_draft_tokens")  # K for the engine's own prompt lookup (our extension; 0: plain)
     request = Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=int(max_new), sampling=sampling,
                       draft_tokens=draft or None, draft_probs=draft_probs if draft else None,
+                      num_draft_tokens=None if k is None else int(k),
                       return_generation_logits=_flag(inputs, "return_generation_logits"),
                       return_log_probs=_flag(inputs, "return_log_probs"),
                       return_context_logits=_flag(inputs, "return_context_logits"))
@@ -194,7 +198,8 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
 
     parameters: the model's config.pbtxt parameters. A Medusa / EAGLE engine speculates inside itself on
     the tree of `medusa_choices` / `eagle_choices`, or EAGLE-2's dynamic tree of width
-    `eagle_dynamic_tree_top_k` when that is set. `batch_invariant` ("true" unless set to "false"): every
+    `eagle_dynamic_tree_top_k` when that is set; a target with `speculative_mode` ngram drafts by prompt lookup
+    in its own step loop (`lookup_proposer`). `batch_invariant` ("true" unless set to "false"): every
     token's result is independent of the batch, so greedy speculative output equals plain greedy output
     and a request's answer does not depend on the others in flight (docs/engine.md, "Batch invariance":
     what it costs per engine format).
@@ -203,12 +208,33 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     exact = parameters.get("batch_invariant", "true").strip().lower()
     if exact not in ("true", "false"):
         raise ValueError(f"parameter batch_invariant {parameters['batch_invariant']!r}: write true or false")
-    max_seq_len = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]["max_seq_len"]
+    build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
     top_k = parameters.get("eagle_dynamic_tree_top_k")
-    return MeteredEngine.from_engine_dir(engine_dir, max_input_len=max_seq_len - 1,
+    lookup = lookup_proposer(parameters, build.get("max_draft_len", 0)) if parameters.get("speculative_mode") == "ngram" else None
+    return MeteredEngine.from_engine_dir(engine_dir, proposer=lookup, max_input_len=build["max_seq_len"] - 1,
                                          choices=parse_choices(tree) if tree and not top_k else None,
                                          dynamic_top_k=int(top_k) if top_k else None, batch_invariant=exact == "true")
+
+
+def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyProposer:
+    """Prompt lookup inside the engine (the tensorrt_llm parameters of pipeline.repo.assemble.engine_model where
+    toolchains.lookup_in_engine), under the BLS's rules: drafts cut at ngram_min_token_prob, a draft length
+    that adapts per request up to the request's num_draft_tokens, the switch-off bar (min_acceptance_rate, or
+    the measured draft_token_cost when higher) and the batch gate (max_batch_for_speculation running requests).
+    Short requests are the BLS's call (it sends num_draft_tokens 0), so the engine applies no length floor."""
+    if max_draft_len < 1:
+        raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; rebuild it (make engines)")
+    ngram = NgramProposer(int(parameters.get("ngram_min", 1)), int(parameters.get("ngram_max", 3)),
+                          float(parameters.get("ngram_min_token_prob", 0.0)))
+    cost = float(parameters.get("draft_token_cost") or 0.0)
+    return PolicyProposer(ngram, PolicyConfig(
+        num_draft_tokens=min(int(parameters.get("num_draft_tokens", max_draft_len)), max_draft_len),
+        max_draft_tokens=max_draft_len, adaptive=True,
+        min_acceptance_rate=float(parameters.get("min_acceptance_rate", 0.0)),
+        draft_token_costs=((1, cost),) if cost else (),
+        max_batch_for_speculation=int(parameters.get("max_batch_for_speculation", 1 << 30)),
+        min_new_tokens_for_speculation=0))
 
 
 class ResponseBuilder:
