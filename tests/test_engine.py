@@ -272,6 +272,23 @@ def test_external_draft_tokens_greedy(model):
     assert engine.stats.computed_tokens == 2 * len(prompt) + 5 + 4  # one forward verified both drafts
 
 
+def test_prompt_lookup_drafts_in_the_step_that_completes_the_prompt(model):
+    """A proposer that drafts from the tokens alone (prompt lookup) drafts for the prefill's last step, which
+    verifies the draft in the same forward: a sequence continued by a new request (the BLS's next call) speculates
+    from its first step. The tokens are plain decoding's."""
+    base = prompts(1, seed=21)[0][:12]
+    prompt = base + base + base[:4]  # its last tokens occur earlier: the lookup proposes what followed them
+    plain = run(make_engine(model), {0: [Request("plain", prompt, max_new_tokens=10)]})["plain"]
+    engine = make_engine(model, NgramProposer(1, 3), max_draft_len=5)
+    engine.add_request(Request("lookup", prompt, max_new_tokens=10, num_draft_tokens=5))
+    (first,) = engine.step()
+    assert first.stats.target_forwards == 1 and first.stats.draft_tokens == 5  # drafted before any token existed
+    tokens = first.new_token_ids
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == plain["tokens"]
+
+
 def test_external_draft_with_probs_uses_lossless_sampling(model):
     prompt = prompts(1, seed=13)[0]
     q = torch.full((3, VOCAB), 1.0 / VOCAB)

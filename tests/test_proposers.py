@@ -150,11 +150,13 @@ def test_policy_batch_gate_and_short_outputs():
                                                 min_new_tokens_for_speculation=8))
     assert ask(policy, n=3) == [0, 0, 0]  # three running > 2: nobody speculates
     assert inner.asked == [0, 0, 0]  # the proposer still sees every request (to keep up)
+    assert ask(policy, n=2) == [0, 0]  # the batch is the requests it follows: r2 still runs (it was not released)
+    policy.release("r2")
     assert ask(policy, n=2) == [4, 4]
     assert ask(policy, n=1, max_new_tokens=4) == [0]  # short output
     assert ask(policy, n=1, max_new_tokens=10, num_generated=7) == [2]  # K <= tokens still needed - 1
     policy.release("r0")
-    assert inner.released == ["r0"] and "r0" not in policy.requests
+    assert inner.released == ["r2", "r0"] and "r0" not in policy.requests
 
 
 def test_metrics_count_positions_and_derive_rates():
@@ -249,4 +251,6 @@ def test_policy_batch_gate_from_the_measured_cost():
     """A batch size at which one draft token costs a whole step (break-even >= 1) never speculates."""
     policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.3), (8, 1.2))))
     assert ask(policy, n=8) == [0] * 8
+    for i in range(1, 8):  # seven of them finish
+        policy.release(f"r{i}")
     assert ask(policy, n=1) == [4]

@@ -326,10 +326,15 @@ class LLMEngine:
         return batch
 
     def _prefill_rows(self, seq: _Sequence, budget: int) -> _Scheduled | None:
-        """The rest of seq's prompt (plus its external draft) if it fits the budget, else a chunk; None if nothing fits."""
+        """The rest of seq's prompt (plus its external draft, or the proposer's when it drafts from the tokens
+        alone) if it fits the budget, else a chunk; None if nothing fits."""
         remaining = seq.tokens[seq.num_computed:]
         external = list(seq.request.draft_tokens or [])
         if len(remaining) + len(external) <= budget:
+            if seq.request.draft_tokens is None and getattr(self.proposer, "drafts_at_prefill", False):
+                draft = self._propose([seq])[0]  # e.g. prompt lookup: a continued sequence drafts from its first step
+                if len(remaining) + len(draft.token_ids) <= budget:
+                    return _Scheduled(seq, remaining + draft.token_ids, draft, draft.probs)
             return _Scheduled(seq, remaining + external, Draft(token_ids=external), seq.request.draft_probs)
         chunk = min(budget, len(remaining) - 1)  # the last prompt token waits for the completing step
         return _Scheduled(seq, remaining[:chunk]) if chunk > 0 else None

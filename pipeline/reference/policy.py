@@ -96,12 +96,18 @@ class PolicyProposer:
         self.inner, self.config = inner, config
         self.needs_hidden_states = inner.needs_hidden_states
         self.capture_layers = getattr(inner, "capture_layers", None)
+        self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
+
+    def _state(self, request_id: str) -> _RequestPolicy:
+        """What the policy remembers about this request (a new request starts at K)."""
+        cfg = self.config
+        return self.requests.setdefault(request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
 
     def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
         """K for this request this step (0 = decode plainly)."""
         cfg = self.config
-        state = self.requests.setdefault(inp.request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
+        state = self._state(inp.request_id)
         if batch_size > cfg.max_batch_for_speculation or not self.pays(batch_size):
             return 0
         k = min(state.draft_len, inp.num_tokens)
@@ -122,8 +128,12 @@ class PolicyProposer:
         return proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
-        """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy."""
-        limited = [replace(inp, num_tokens=self.draft_len(inp, len(inputs))) for inp in inputs]
+        """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
+        (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
+        for inp in inputs:
+            self._state(inp.request_id)
+        batch_size = max(len(inputs), len(self.requests))
+        limited = [replace(inp, num_tokens=self.draft_len(inp, batch_size)) for inp in inputs]
         drafts = self.inner.propose(limited)
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 

@@ -51,7 +51,8 @@ class Draft:
 
 
 class Proposer(Protocol):
-    """The interface every proposer implements."""
+    """The interface every proposer implements (a proposer with `drafts_at_prefill` True also drafts for the step
+    that completes a prompt, with the prompt as its only context: the engine verifies that draft in the same forward)."""
 
     needs_hidden_states: bool  # the engine must fill ProposalInput.hidden_states
 
@@ -78,6 +79,7 @@ class NgramProposer:
     """
 
     needs_hidden_states = False
+    drafts_at_prefill = True  # it needs nothing but the tokens: the step that completes a prompt can verify a draft
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3, min_token_prob: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
