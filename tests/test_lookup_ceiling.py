@@ -66,8 +66,9 @@ def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_lo
 
 
 def test_the_ceiling_policy_never_switches_off_and_drafts_16():
-    served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
+    engine, served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
     assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
+    assert (engine.k, engine.miss_tokens, engine.adaptive, engine.min_token_prob) == (5, 1, True, 0.4)
     assert served.adaptive and uncut.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
     assert served.switch_off_below == uncut.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
     assert served.min_token_prob == 0.4 and uncut.min_token_prob == fixed.min_token_prob == ceiling.min_token_prob == 0
@@ -84,12 +85,12 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
                  "--max-tokens", "12", "--k", "3", "--out", str(out)]) == 0
     report = json.loads((out / "lookup.json").read_text())
     assert 0 <= report["draft_token_cost"] < 5
-    served, uncut, fixed, every, ceiling = report["policies"].values()
-    for counts in (served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
+    engine, served, uncut, fixed, every, ceiling = report["policies"].values()
+    for counts in (engine["copy"], served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
         assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
         assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
     assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers
-    assert "| served: K<=3 adaptive" in (out / "lookup.md").read_text()
+    assert "| in the engine: K<=3 adaptive" in (out / "lookup.md").read_text()
     assert (out / "lookup.png").stat().st_size > 0
 
 

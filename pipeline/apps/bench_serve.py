@@ -5,8 +5,10 @@ Same requests, three ways, in one run:
 - local BLS: the BLS orchestrator (SpeculativeDecoder) over in-process engines; the time the engine
   spends in step() is measured, the rest of each round is orchestration;
 - Triton: the same requests to tensorrt_llm_bls on the real server.
-Reports tokens/s at concurrency 1 and 8 (Triton vs engine), and per speculative round at batch 1 the
-time outside model execution (Triton round time minus the engine's step time for the same rounds).
+Reports tokens/s at concurrency 1 and 8 (Triton vs engine), and per target step of speculative requests at
+batch 1 the time outside model execution (Triton time minus the engines' step time for the same steps). A
+target step is one speculative round where the engine drafts itself (prompt lookup on the reference engine);
+a BLS round (draft model) is a draft call and a target step.
 Writes the table into docs/benchmarks.md between BEGIN/END markers.
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 
 from pipeline.apps.host import cpu_summary
 from pipeline.modes import traits
-from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC
+from pipeline.names import BLS_MODEL, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, TARGET_MODEL
 from pipeline.server import HUGEPAGE_TUNABLES
 
 BEGIN, END = "<!-- bench-serve:begin -->", "<!-- bench-serve:end -->"
@@ -37,31 +39,40 @@ class NoMetrics:
     def round(self, proposed: int, accepted: int) -> None:
         """Ignore."""
 
+    def engine_counts(self, proposed: int, accepted: int) -> None:
+        """Ignore."""
+
     def fallback(self) -> None:
         """Ignore."""
 
 
-def timed_runner(engine_dir: Path, busy: list[float]):
-    """An EngineRunner over the engine as Triton serves it, adding its step() seconds to busy[0]."""
+def timed_runner(engine_dir: Path, busy: list[float], parameters: dict[str, str], steps: list[int] | None = None):
+    """An EngineRunner over the engine as Triton serves it (its config.pbtxt parameters), adding its step() seconds
+    to busy[0] and counting its steps in steps[0]."""
     from pipeline.reference.runner import EngineRunner
     from pipeline.serving.reference_adapter import load_serving_engine
 
-    engine = load_serving_engine(engine_dir)
+    engine = load_serving_engine(engine_dir, parameters)
 
     def add(seconds: float) -> None:
         busy[0] += seconds
+        if steps is not None:
+            steps[0] += 1
 
     engine.on_step = add
     return EngineRunner(engine)
 
 
-def engine_busy_seconds(metrics_url: str) -> float:
-    """Sum of reference_engine_step_seconds_total over the server's engine models."""
+def engine_counters(metrics_url: str) -> tuple[float, float]:
+    """(reference_engine_step_seconds_total over the server's engine models, the target's steps so far)."""
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                   if line.startswith(ENGINE_STEP_SECONDS_METRIC + "{"))
+        lines = resp.read().decode().splitlines()
+    value = lambda line: float(line.rsplit(" ", 1)[1])  # noqa: E731
+    return (sum(value(line) for line in lines if line.startswith(ENGINE_STEP_SECONDS_METRIC + "{")),
+            sum(value(line) for line in lines if line.startswith(ENGINE_STEPS_METRIC + "{")
+                and f'model="{TARGET_MODEL}"' in line))
 
 
 def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[float, int]:
@@ -70,7 +81,8 @@ def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[fl
 
     start, tokens = time.perf_counter(), 0
     for i in range(0, len(prompts), concurrency):
-        queues = [runner.submit(Request(f"e{i}-{j}", p, PLAIN_TOKENS)) for j, p in enumerate(prompts[i:i + concurrency])]
+        queues = [runner.submit(Request(f"e{i}-{j}", p, PLAIN_TOKENS, num_draft_tokens=0))  # 0: no lookup of its own
+                  for j, p in enumerate(prompts[i:i + concurrency])]
         for q in queues:
             while True:
                 out = q.get()
@@ -80,22 +92,19 @@ def engine_plain(runner, prompts: list[list[int]], concurrency: int) -> tuple[fl
     return time.perf_counter() - start, tokens
 
 
-async def local_bls(decoder, requests, concurrency: int) -> tuple[float, int, int]:
-    """(seconds, tokens, rounds) for text requests through the in-process orchestrator."""
+async def local_bls(decoder, requests, concurrency: int) -> tuple[float, int]:
+    """(seconds, tokens) for text requests through the in-process orchestrator."""
     async def one(req):
-        tokens, rounds = 0, 0
+        tokens = 0
         with decoder.admit():  # counted in flight like a served request (the batch gate)
             async for chunk in decoder.generate(req, lambda: False):
                 tokens += len(chunk.token_ids)
-                if chunk.final:
-                    rounds = chunk.stats.rounds
-        return tokens, rounds
+        return tokens
 
-    start, tokens, rounds = time.perf_counter(), 0, 0
+    start, tokens = time.perf_counter(), 0
     for i in range(0, len(requests), concurrency):
-        for t, r in await asyncio.gather(*(one(req) for req in requests[i:i + concurrency])):
-            tokens, rounds = tokens + t, rounds + r
-    return time.perf_counter() - start, tokens, rounds
+        tokens += sum(await asyncio.gather(*(one(req) for req in requests[i:i + concurrency])))
+    return time.perf_counter() - start, tokens
 
 
 def triton_bls(grpc_url: str, texts: list[str], max_tokens: int, k: int, concurrency: int) -> tuple[float, int]:
@@ -134,18 +143,19 @@ def run_bench(spec, log=print) -> str:
     words = local_text(20_000).split()
     plain_texts = [chat_prompt(tokenizer, "Continue this text: " + " ".join(words[i * 40:i * 40 + 30])) for i in range(8)]
     spec_texts = [chat_prompt(tokenizer, q) for q in DEMO_PROMPTS]
-    bls_params = {key: p.string_value for key, p in load_config(repo / "tensorrt_llm_bls" / "config.pbtxt").parameters.items()}
-    settings = BlsSettings.from_parameters(bls_params)
+    params = {name: {key: p.string_value for key, p in load_config(repo / name / "config.pbtxt").parameters.items()}
+              for name in ("tensorrt_llm_bls", "tensorrt_llm", "tensorrt_llm_draft") if (repo / name).is_dir()}
+    settings = BlsSettings.from_parameters(params["tensorrt_llm_bls"])
     spec_reqs = []
     for t in spec_texts:
         inputs = {"text_input": np.array([[t.encode()]], dtype=object), "max_tokens": np.array([[SPEC_TOKENS]], dtype=np.int32),
                   "num_draft_tokens": np.array([[k]], dtype=np.int32)}
         spec_reqs.append(parse_text_request(inputs, settings, tokenizer))
 
-    busy = [0.0]
-    runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy)}
+    busy, steps = [0.0], [0]
+    runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy, params["tensorrt_llm"], steps)}
     if traits(spec.speculative.mode).has_draft_engine:
-        runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy)
+        runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy, params["tensorrt_llm_draft"])
     decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
     samples: dict[str, list[float]] = {}  # name -> tokens/s (plain) or seconds (speculative)
@@ -158,7 +168,7 @@ def run_bench(spec, log=print) -> str:
                       log_file=spec.out_dir / "bench-serve-triton.log") as server:
         engine_plain(runners["tensorrt_llm"], prompt_ids[:1], 1)  # warm-up both
         triton_bls(server.grpc_url, plain_texts[:1], PLAIN_TOKENS, 0, 1)
-        rounds = spec_tokens = 0
+        spec_tokens = 0
         for rep in range(REPEATS):  # alternate, so load changes on the shared machine hit both sides alike
             for conc in (1, 8):
                 n = 8 if conc == 8 else 2
@@ -166,13 +176,16 @@ def run_bench(spec, log=print) -> str:
                 add(f"engine {conc}", toks / secs)
                 secs, toks = triton_bls(server.grpc_url, plain_texts[:n], PLAIN_TOKENS, 0, conc)
                 add(f"triton {conc}", toks / secs)
-            busy[0] = 0.0
-            secs, spec_tokens, rounds = asyncio.run(local_bls(decoder, spec_reqs, 1))
+            busy[0], steps[0] = 0.0, 0
+            secs, spec_tokens = asyncio.run(local_bls(decoder, spec_reqs, 1))
             add("local spec", secs)
             add("engine busy", busy[0])
-            busy_before = engine_busy_seconds(server.metrics_url)
+            add("local steps", steps[0])
+            busy_before, steps_before = engine_counters(server.metrics_url)
             secs, toks = triton_bls(server.grpc_url, spec_texts, SPEC_TOKENS, k, 1)
-            add("triton engine busy", engine_busy_seconds(server.metrics_url) - busy_before)
+            busy_after, steps_after = engine_counters(server.metrics_url)
+            add("triton engine busy", busy_after - busy_before)
+            add("triton steps", steps_after - steps_before)
             if toks != spec_tokens:
                 raise RuntimeError(f"Triton generated {toks} tokens, the in-process orchestrator {spec_tokens}: not the same work")
             add("triton spec", secs)
@@ -195,15 +208,18 @@ def run_bench(spec, log=print) -> str:
         lines += ["", "Above 100%: the in-process engine (benchmark process) ran slower than the same engine inside "
                   "Triton's model process, whose busy time the speculative table below measures directly; the cause "
                   "of the in-process slowdown was not found."]
-    per = 1000 / max(rounds, 1)
-    lines += ["", f"Speculative requests at batch 1 ({len(spec_texts)} demo prompts, {spec_tokens} tokens, {rounds} rounds, "
-              "identical rounds both ways). Outside model execution = round time minus the time the engine spent in "
-              "step() (in-process: measured around step(); Triton: the model's reference_engine_step_seconds_total metric):",
-              "", "| | ms per round | engine step() ms per round | outside model execution |", "|---|---|---|---|",
-              f"| in-process orchestrator | {med['local spec'] * per:.1f} | {med['engine busy'] * per:.1f} | "
-              f"{(med['local spec'] - med['engine busy']) / med['local spec']:.0%} |",
-              f"| Triton tensorrt_llm_bls | {med['triton spec'] * per:.1f} | {med['triton engine busy'] * per:.1f} | "
-              f"{(med['triton spec'] - med['triton engine busy']) / med['triton spec']:.0%} |",
+    where = ("inside the target engine" if settings.engine_lookup
+             else "by the BLS: a draft call or a lookup, then a verify call, one round per target step")
+    lines += ["", f"Speculative requests at batch 1 ({len(spec_texts)} demo prompts, {spec_tokens} tokens; drafts made "
+              f"{where}; target steps: {med['local steps']:.0f} in process, {med['triton steps']:.0f} through Triton). "
+              "Outside model execution = wall time minus the time the engines spent in step() (in-process: measured "
+              "around step(); Triton: the models' reference_engine_step_seconds_total metric), per target step:",
+              "", "| | ms per target step | engine step() ms per target step | outside model execution |",
+              "|---|---|---|---|"]
+    for name, label in (("local", "in-process orchestrator"), ("triton", "Triton tensorrt_llm_bls")):
+        wall, inside, n = med[f"{name} spec"], med["engine busy" if name == "local" else "triton engine busy"], med[f"{name} steps"]
+        lines.append(f"| {label} | {1000 * wall / max(n, 1):.1f} | {1000 * inside / max(n, 1):.1f} | {(wall - inside) / wall:.0%} |")
+    lines += [
               "", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
     return "\n".join(lines)
 

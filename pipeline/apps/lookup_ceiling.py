@@ -10,13 +10,17 @@ step and calls cost nothing; with the measured cost c of a draft token (pipeline
 estimate is tokens / (forwards + c x drafted tokens).
 
 Policies:
-- served: the BLS's rounds (at most K draft tokens, cut where the context disagrees when min_token_prob > 0;
+- in the engine: what the reference toolchain serves, prompt lookup inside the target engine's steps (the BLS's
+  rules below, but a lookup miss costs one plain step: the engine looks again at the next step; its pooled
+  switch-off is replayed as the BLS's back-off);
+- BLS rounds: what the trtllm toolchain serves, the BLS's rounds (at most K draft tokens, cut where the context
+  disagrees when min_token_prob > 0;
   adaptive: one fewer after a partly rejected draft, two more after a fully accepted one,
   pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length + 1 tokens plainly; a
   request whose acceptance since it last (re)started drafting is below the switch-off bar after 8 rounds backs
   off: 16 plain tokens, twice as many after each further back-off, then one-token drafts again);
-- served without the cut: the same with min_token_prob 0 (the whole continuation, up to the draft length);
-- fixed K: the served rounds with K never changing and no cut (the BLS before 2026-12-02);
+- BLS rounds without the cut: the same with min_token_prob 0 (the whole continuation, up to the draft length);
+- fixed K: the BLS rounds with K never changing and no cut (the BLS before 2026-12-02);
 - every token: the lookup runs again after every plain token (a miss costs one forward);
 - every token, K=16, no switch-off: prompt lookup's ceiling on these answers (longer drafts, never giving up).
 """
@@ -118,10 +122,13 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
 
 def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
              min_token_prob: float) -> list[LookupPolicy]:
-    """The served policy, its forms without the cut and with fixed K, and the two that bound it (module docstring)."""
-    return [LookupPolicy(f"served: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
+    """The served policies (in the engine, BLS rounds), the BLS's without the cut and with fixed K, and the two that
+    bound them (module docstring)."""
+    return [LookupPolicy(f"in the engine: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes 1", k, 1,
                          switch_off_below, True, min_ngram, max_ngram, min_token_prob),
-            LookupPolicy(f"served without the cut: K<={k} adaptive", k, None, switch_off_below, True, min_ngram, max_ngram),
+            LookupPolicy(f"BLS rounds: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
+                         switch_off_below, True, min_ngram, max_ngram, min_token_prob),
+            LookupPolicy(f"BLS rounds without the cut: K<={k} adaptive", k, None, switch_off_below, True, min_ngram, max_ngram),
             LookupPolicy(f"fixed K={k}, a miss decodes K+1", k, None, switch_off_below, False, min_ngram, max_ngram),
             LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, False, min_ngram, max_ngram),
             LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, False,
