@@ -19,16 +19,13 @@ class Rounds:
     """Collects what the decoder reports per round."""
 
     def __init__(self):
-        self.rounds, self.fallbacks, self.engine = [], 0, []
+        self.rounds, self.fallbacks = [], 0
 
     def round(self, proposed, accepted):
         self.rounds.append((proposed, accepted))
 
     def fallback(self):
         self.fallbacks += 1
-
-    def engine_counts(self, proposed, accepted):
-        self.engine.append((proposed, accepted))
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +85,13 @@ def test_engine_lookup_streams_forwards_k_and_counts_the_engines_drafts(engines,
         decoder = SpeculativeDecoder(settings, client, sink)
         text = "the the the cat sat on the mat and the cat sat on the"
         plain, plain_stats = run(decoder, tokenizer, settings, text, 24, 0)
-        assert plain_stats.total_draft_tokens == 0 and not sink.engine
+        assert plain_stats.total_draft_tokens == 0 and runner.engine.stats.spec.draft_tokens == 0
         spec, stats = run(decoder, tokenizer, settings, text, 24, 3)
         assert spec == plain and len(plain) == 24
         assert not sink.rounds  # no BLS round: the engine drafted and verified in its own steps
-        assert stats.total_draft_tokens == sum(p for p, _ in sink.engine) > 0
-        assert stats.total_accepted_draft_tokens == sum(a for _, a in sink.engine)
+        engine_counts = runner.engine.stats.spec  # summed over the engine's finished requests (the two calls)
+        assert stats.total_draft_tokens == engine_counts.draft_tokens > 0
+        assert stats.total_accepted_draft_tokens == engine_counts.accepted_tokens
         calls = -(-24 // PLAIN_CHUNK_TOKENS)
         assert not client.calls and client.streams == [0] * calls + [3] * calls
     finally:

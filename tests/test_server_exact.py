@@ -9,6 +9,7 @@ batched attention of earlier builds changed 2 of 8 SmolLM2 answers (docs/benchma
 """
 
 import json
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from clients.chat import ChatTemplate
+from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_TOKENS_METRIC, ROUNDS_METRIC, TARGET_MODEL
 from pipeline.spec import load_spec
 from specbuild.toolchains.reference import run_reference
 from tests.test_server_sampling import bls_request, engine_request, output_ids
@@ -75,6 +77,25 @@ def exact_server(tmp_path_factory, derived_pair):
 def test_greedy_speculation_equals_plain_alone_and_with_8_in_flight(exact_server, derived_pair):
     """The 8 summarize prompts, 48 tokens each, through the ensemble."""
     check_greedy_identity(exact_server, summarize_prompts(derived_pair[0]), 48)
+
+
+def target_spec_metrics(metrics_url: str) -> dict[str, float]:
+    """The tensorrt_llm model's spec_decode_* counters (the engine's own prompt lookup)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "{") and f'model="{TARGET_MODEL}"' in line)
+            for name in (DRAFT_TOKENS_METRIC, ACCEPTED_TOKENS_METRIC, ROUNDS_METRIC)}
+
+
+def test_the_target_exports_its_own_speculation_as_the_responses_count_it(exact_server, derived_pair):
+    """The engine drafts, so its model exports spec_decode_* (rounds = its verify steps); the draft tokens it
+    counts are the ones the ensemble's responses report."""
+    before = target_spec_metrics(exact_server.metrics_url)
+    _, drafted = answers(exact_server, summarize_prompts(derived_pair[0])[:2], 32, 5, 1)
+    after = target_spec_metrics(exact_server.metrics_url)
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta[DRAFT_TOKENS_METRIC] == drafted > 0
+    assert 0 <= delta[ACCEPTED_TOKENS_METRIC] <= drafted and 0 < delta[ROUNDS_METRIC] <= drafted
 
 
 def generation_logits(results: list) -> np.ndarray:

@@ -39,9 +39,6 @@ class NoMetrics:
     def round(self, proposed: int, accepted: int) -> None:
         """Ignore."""
 
-    def engine_counts(self, proposed: int, accepted: int) -> None:
-        """Ignore."""
-
     def fallback(self) -> None:
         """Ignore."""
 

@@ -24,7 +24,7 @@ engine runs the lookup itself (settings.engine_lookup, the reference toolchain, 
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
 adaptive draft length, the switch-off bar and the batch gate: load_serving_engine), and the BLS only adds up
-the acceptance counters the engine returns. That saves the BLS round trip of every round (3-4 ms on
+the acceptance counters the engine returns (the engine's model exports the spec_decode_* metrics). That saves the BLS round trip of every round (3-4 ms on
 these CPUs, docs/benchmarks.md), and a lookup miss costs one plain step instead of K + 1 plain tokens. A draft failure switches that request to
 plain decoding, counted and logged. Acceptance below the switch-off bar after
 ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds (min_acceptance_rate, or the measured break-even
@@ -149,7 +149,6 @@ class SpecMetricsSink(Protocol):
     """Where rounds are counted (Prometheus families in the server)."""
 
     def round(self, proposed: int, accepted: int) -> None: ...
-    def engine_counts(self, proposed: int, accepted: int) -> None: ...  # a target's own drafts, totals of one call
     def fallback(self) -> None: ...
 
 
@@ -277,7 +276,7 @@ class SpeculativeDecoder:
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
                      engine_k: int | None = None, stats: RequestStats | None = None) -> AsyncIterator[Generation]:
         """Target calls of at most PLAIN_CHUNK_TOKENS tokens; engine_k: K for a target that drafts itself, whose
-        counters each call adds to `stats` and the metrics."""
+        counters each call adds to `stats` (the engine's model exports them as metrics itself)."""
         done = 0
         while done < max_new:
             chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
@@ -290,7 +289,6 @@ class SpeculativeDecoder:
             if last is not None and last.drafted and stats is not None:
                 stats.total_draft_tokens += last.drafted
                 stats.total_accepted_draft_tokens += last.accepted
-                self.metrics.engine_counts(last.drafted, last.accepted)
             done += got
             if got < chunk or cancelled():  # the target stopped (end_id / stop word), or the client left
                 return

@@ -62,12 +62,17 @@ class SpecMetrics:
         """Add speculation counted elsewhere (iteration_stats.SpecDecodeCounts: the LLM API's iteration stats,
         which carry totals, not single rounds: the acceptance-length histogram and per-position counters stay)."""
         self.rounds.increment(counts.rounds)
-        self.engine_counts(counts.drafted, counts.accepted)
+        self.draft_tokens.increment(counts.drafted)
+        self.accepted_tokens.increment(counts.accepted)
 
-    def engine_counts(self, proposed: int, accepted: int) -> None:
-        """Add one call's totals of a target engine that drafts itself (no rounds: its responses do not count them)."""
-        self.draft_tokens.increment(proposed)
-        self.accepted_tokens.increment(accepted)
+    def record_request(self, stats) -> None:
+        """Add one finished request's speculation inside a reference engine (pipeline.reference.metrics.SpecStats:
+        its rounds are the steps that verified a draft; totals, so the acceptance-length histogram stays)."""
+        self.rounds.increment(stats.spec_steps)
+        self.draft_tokens.increment(stats.draft_tokens)
+        self.accepted_tokens.increment(stats.accepted_tokens)
+        for counter, accepted in zip(self.per_position, stats.accepted_by_position):
+            counter.increment(accepted)
 
     def fallback(self) -> None:
         """Count a request that lost its draft model."""

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pipeline.reference.engine import LLMEngine, Request, RequestOutput
+from pipeline.reference.metrics import SpecStats
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
@@ -169,17 +170,23 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
 
 
 class MeteredEngine(LLMEngine):
-    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks)."""
+    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks) and the
+    speculation of each request that finished having drafted, on the thread that steps it."""
 
     on_step: Callable[[float], None] = staticmethod(lambda seconds: None)
+    on_speculated: Callable[[SpecStats], None] = staticmethod(lambda stats: None)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step, timed."""
         start = time.perf_counter()
         try:
-            return super().step()
+            outputs = super().step()
         finally:
             self.on_step(time.perf_counter() - start)
+        for out in outputs:
+            if out.finished and out.stats.draft_tokens:
+                self.on_speculated(out.stats)
+        return outputs
 
 
 def parse_choices(text: str) -> list[tuple[int, ...]]:

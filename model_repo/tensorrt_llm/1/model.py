@@ -6,7 +6,8 @@ request is handed to the engine at once and answered through its response sender
 one response otherwise. As in NVIDIA's C++ backend, a request with `stop` true cancels the running requests
 that carry its Triton request id and gets one empty final response (the tensorrtllm backend's handleStopRequest in
 inflight_batcher_llm/src/model_instance_state.cc; a stopped request ends with the tokens it has), and a
-non-decoupled model refuses `streaming`.
+non-decoupled model refuses `streaming`. An engine that drafts itself (prompt lookup, Medusa, EAGLE) exports the
+spec_decode_* counters for its finished requests, labelled with this model's name.
 """
 
 import queue
@@ -20,7 +21,7 @@ from pipeline.reference.runner import EngineRunner
 from pipeline.serving import triton_io
 from pipeline.serving.reference_adapter import (REGATHER_S, ResponseBuilder, engine_request, load_serving_engine,
                                                 stop_requested)
-from pipeline.serving.metrics import EngineMetrics
+from pipeline.serving.metrics import EngineMetrics, SpecMetrics
 from pipeline.serving.errors import RequestError, Stopped
 
 CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client went away
@@ -36,6 +37,11 @@ class TritonPythonModel:
         self.engine = load_serving_engine(params["gpt_model_path"], params)
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
+        # an engine that drafts itself (prompt lookup, Medusa, EAGLE) counts its speculation as the BLS counts its
+        # rounds; on the engine's thread, as every metric update of this model (the step counters above)
+        if self.engine.proposer is not None:
+            self.spec_metrics = SpecMetrics(args["model_name"], self.engine.config.max_draft_len, callees=[])
+            self.engine.on_speculated = self.spec_metrics.record_request
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine, regather_s=REGATHER_S)
         self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
