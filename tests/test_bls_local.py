@@ -72,30 +72,35 @@ LOOKUP_PARAMETERS = {"speculative_mode": "ngram", "num_draft_tokens": "3", "ngra
                      "ngram_min_token_prob": "0", "min_acceptance_rate": "0"}
 
 
-def test_engine_lookup_streams_forwards_k_and_counts_the_engines_drafts(engines, tiny_spec_engines):
+@pytest.fixture(scope="module")
+def lookup_runner(tiny_spec_engines):
+    """The tiny target as the reference toolchain serves an n-gram spec: it drafts by prompt lookup itself."""
+    runner = EngineRunner(load_serving_engine(tiny_spec_engines.spec.out_dir / "engines" / "target", LOOKUP_PARAMETERS))
+    yield runner
+    runner.close()
+
+
+def test_engine_lookup_streams_forwards_k_and_counts_the_engines_drafts(engines, lookup_runner):
     """Where the target engine runs prompt lookup itself (the reference toolchain), the BLS makes no rounds: it
     streams plain calls that carry the request's K (0 keeps the engine plain), adds up the acceptance counters
     the engine returns, and the greedy text equals plain decoding's."""
     _, tokenizer = engines
-    runner = EngineRunner(load_serving_engine(tiny_spec_engines.spec.out_dir / "engines" / "target", LOOKUP_PARAMETERS))
-    try:
-        settings = BlsSettings(tokenizer_dir="", speculative_mode="ngram", max_draft_len=4, max_input_len=48,
-                               max_seq_len=64, verify_input_len=63, engine_lookup=True)
-        sink, client = Rounds(), RecordingClient(LocalModelClient({"tensorrt_llm": runner}))
-        decoder = SpeculativeDecoder(settings, client, sink)
-        text = "the the the cat sat on the mat and the cat sat on the"
-        plain, plain_stats = run(decoder, tokenizer, settings, text, 24, 0)
-        assert plain_stats.total_draft_tokens == 0 and runner.engine.stats.spec.draft_tokens == 0
-        spec, stats = run(decoder, tokenizer, settings, text, 24, 3)
-        assert spec == plain and len(plain) == 24
-        assert not sink.rounds  # no BLS round: the engine drafted and verified in its own steps
-        engine_counts = runner.engine.stats.spec  # summed over the engine's finished requests (the two calls)
-        assert stats.total_draft_tokens == engine_counts.draft_tokens > 0
-        assert stats.total_accepted_draft_tokens == engine_counts.accepted_tokens
-        calls = -(-24 // PLAIN_CHUNK_TOKENS)
-        assert not client.calls and client.streams == [0] * calls + [3] * calls
-    finally:
-        runner.close()
+    settings = BlsSettings(tokenizer_dir="", speculative_mode="ngram", max_draft_len=4, max_input_len=48,
+                           max_seq_len=64, verify_input_len=63, engine_lookup=True)
+    sink, client = Rounds(), RecordingClient(LocalModelClient({"tensorrt_llm": lookup_runner}))
+    decoder = SpeculativeDecoder(settings, client, sink)
+    text = "the the the cat sat on the mat and the cat sat on the"
+    counted = lookup_runner.engine.stats.spec  # summed over the engine's finished requests
+    before = (counted.draft_tokens, counted.accepted_tokens)
+    plain, plain_stats = run(decoder, tokenizer, settings, text, 24, 0)
+    assert plain_stats.total_draft_tokens == 0 and counted.draft_tokens == before[0]
+    spec, stats = run(decoder, tokenizer, settings, text, 24, 3)
+    assert spec == plain and len(plain) == 24
+    assert not sink.rounds  # no BLS round: the engine drafted and verified in its own steps
+    assert stats.total_draft_tokens == counted.draft_tokens - before[0] > 0
+    assert stats.total_accepted_draft_tokens == counted.accepted_tokens - before[1]
+    calls = -(-24 // PLAIN_CHUNK_TOKENS)
+    assert not client.calls and client.streams == [0] * calls + [3] * calls
 
 
 def test_engine_lookup_takes_k_per_request_within_the_engines_limit(tiny_spec_engines):
@@ -115,11 +120,13 @@ def test_engine_lookup_takes_k_per_request_within_the_engines_limit(tiny_spec_en
             engine.add_request(request)
 
 
-def test_stop_words_and_max_tokens(engines):
+@pytest.mark.parametrize("engine_lookup", [False, True])
+def test_stop_words_and_max_tokens(engines, lookup_runner, engine_lookup):
+    """BLS rounds (a draft model) or the engine's own lookup: a stop word ends the text where plain decoding's
+    ends, and max_tokens cuts it."""
     runners, tokenizer = engines
-    settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode="draft_target",
-                           max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63)
-    decoder = SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
+    settings, decoder = (local_decoder({"tensorrt_llm": lookup_runner}, "ngram", engine_lookup=True) if engine_lookup
+                         else local_decoder(runners, "draft_target"))
     text = "a b c d e f"
     plain, _ = run(decoder, tokenizer, settings, text, 20, 0)
     stop_text = tokenizer.decode(plain[5:7])
@@ -157,17 +164,20 @@ def run_chunks(decoder, tokenizer, settings, text, max_tokens, k, **flags):
     return req, asyncio.run(collect())
 
 
-def local_decoder(runners, mode: str) -> tuple[BlsSettings, SpeculativeDecoder]:
+def local_decoder(runners, mode: str, engine_lookup: bool = False) -> tuple[BlsSettings, SpeculativeDecoder]:
     """The BLS's decoder over in-process engines: K up to 4, 48-token prompts, 64-token sequences."""
     settings = BlsSettings(tokenizer_dir="", draft_model="tensorrt_llm_draft", speculative_mode=mode, max_draft_len=4,
-                           max_input_len=48, max_seq_len=64, verify_input_len=63)
+                           max_input_len=48, max_seq_len=64, verify_input_len=63, engine_lookup=engine_lookup)
     return settings, SpeculativeDecoder(settings, LocalModelClient(runners), Rounds())
 
 
-@pytest.mark.parametrize("mode", ["draft_target", "ngram"])
-def test_log_probs_are_the_targets_with_and_without_speculation(engines, mode):
+@pytest.mark.parametrize("mode", ["draft_target", "ngram", "ngram in the engine"])
+def test_log_probs_are_the_targets_with_and_without_speculation(engines, lookup_runner, mode):
     runners, tokenizer = engines
-    settings, decoder = local_decoder(runners, mode)
+    if mode == "ngram in the engine":
+        settings, decoder = local_decoder({"tensorrt_llm": lookup_runner}, "ngram", engine_lookup=True)
+    else:
+        settings, decoder = local_decoder(runners, mode)
     text = "the the the cat sat on the mat and the cat sat on the"
     results = {}
     for k in (0, 3):
