@@ -152,7 +152,8 @@ def run_bench(spec, log=print) -> str:
     busy, steps = [0.0], [0]
     runners = {"tensorrt_llm": timed_runner(spec.out_dir / "engines" / "target", busy, params["tensorrt_llm"], steps)}
     if traits(spec.speculative.mode).has_draft_engine:
-        runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy, params["tensorrt_llm_draft"])
+        runners["tensorrt_llm_draft"] = timed_runner(spec.out_dir / "engines" / "draft", busy,
+                                                     params["tensorrt_llm_draft"])
     decoder = SpeculativeDecoder(settings, LocalModelClient(runners), NoMetrics(), log_warning=log)
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in plain_texts]
     samples: dict[str, list[float]] = {}  # name -> tokens/s (plain) or seconds (speculative)
@@ -213,9 +214,10 @@ def run_bench(spec, log=print) -> str:
               "around step(); Triton: the models' reference_engine_step_seconds_total metric), per target step:",
               "", "| | ms per target step | engine step() ms per target step | outside model execution |",
               "|---|---|---|---|"]
-    for name, label in (("local", "in-process orchestrator"), ("triton", "Triton tensorrt_llm_bls")):
-        wall, inside, n = med[f"{name} spec"], med["engine busy" if name == "local" else "triton engine busy"], med[f"{name} steps"]
-        lines.append(f"| {label} | {1000 * wall / max(n, 1):.1f} | {1000 * inside / max(n, 1):.1f} | {(wall - inside) / wall:.0%} |")
+    for name, label, busy_name in (("local", "in-process orchestrator", "engine busy"),
+                                   ("triton", "Triton tensorrt_llm_bls", "triton engine busy")):
+        wall, inside, n = med[f"{name} spec"], med[busy_name], max(med[f"{name} steps"], 1)
+        lines.append(f"| {label} | {1000 * wall / n:.1f} | {1000 * inside / n:.1f} | {(wall - inside) / wall:.0%} |")
     lines += [
               "", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
     return "\n".join(lines)

@@ -23,10 +23,11 @@ stream from target calls of PLAIN_CHUNK_TOKENS tokens. So do prompt-lookup reque
 engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
-adaptive draft length, the switch-off bar and the batch gate: load_serving_engine), and the BLS only adds up
-the acceptance counters the engine returns (the engine's model exports the spec_decode_* metrics). That saves the BLS round trip of every round (3-4 ms on
-these CPUs, docs/benchmarks.md), and a lookup miss costs one plain step instead of K + 1 plain tokens. A draft failure switches that request to
-plain decoding, counted and logged. Acceptance below the switch-off bar after
+adaptive draft length, the switch-off bar and the batch gate: load_serving_engine), and the BLS only
+adds up the acceptance counters the engine returns (the engine's model exports the spec_decode_*
+metrics). That saves the BLS round trip of every round (about 3 ms on these CPUs, docs/benchmarks.md),
+and a lookup miss costs one plain step instead of K + 1 plain tokens. A draft failure switches that
+request to plain decoding, counted and logged. Acceptance below the switch-off bar after
 ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds (min_acceptance_rate, or the measured break-even
 `draft_token_cost` when that is higher: what a draft token costs a round, in plain steps; a draft
 accepted less often than that makes the request slower than plain decoding) backs the request off:
@@ -161,9 +162,9 @@ class SpeculativeDecoder:
         self.client = client
         self.metrics = metrics
         self.log_warning = log_warning
-        # prompt lookup's settings when the BLS makes the drafts itself (mode ngram), else None
+        # prompt lookup's settings when the BLS makes the drafts itself (mode ngram, not engine_lookup), else None
         self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
-                      if traits(settings.speculative_mode).prompt_lookup else None)
+                      if traits(settings.speculative_mode).prompt_lookup and not settings.engine_lookup else None)
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 

@@ -218,7 +218,8 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
     top_k = parameters.get("eagle_dynamic_tree_top_k")
-    lookup = lookup_proposer(parameters, build.get("max_draft_len", 0)) if parameters.get("speculative_mode") == "ngram" else None
+    ngram = parameters.get("speculative_mode") == "ngram"
+    lookup = lookup_proposer(parameters, build.get("max_draft_len", 0)) if ngram else None
     return MeteredEngine.from_engine_dir(engine_dir, proposer=lookup, max_input_len=build["max_seq_len"] - 1,
                                          choices=parse_choices(tree) if tree and not top_k else None,
                                          dynamic_top_k=int(top_k) if top_k else None, batch_invariant=exact == "true")
@@ -231,7 +232,8 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
     the measured draft_token_cost when higher) and the batch gate (max_batch_for_speculation running requests).
     Short requests are the BLS's call (it sends num_draft_tokens 0), so the engine applies no length floor."""
     if max_draft_len < 1:
-        raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; rebuild it (make engines)")
+        raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; "
+                         "rebuild it (make engines)")
     ngram = NgramProposer(int(parameters.get("ngram_min", 1)), int(parameters.get("ngram_max", 3)),
                           float(parameters.get("ngram_min_token_prob", 0.0)))
     cost = float(parameters.get("draft_token_cost") or 0.0)
