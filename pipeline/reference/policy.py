@@ -23,7 +23,9 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   it shrinks and the bar drops (at a fixed batch size it stays off: no new evidence arrives);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
-  running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step;
+  running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
+  running batch is the requests the policy follows (from their first proposal until release()), so a
+  proposal for one request alone (the step that completes its prompt) is gated like the others;
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0, so a proposer
