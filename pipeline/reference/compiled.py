@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference.linear import Int8PerToken, scale_rows
-from pipeline.reference.linear import intra_op_threads
+from pipeline.reference.linear import Int8PerToken, intra_op_threads, scale_rows
 
 ENV = "REFERENCE_COMPILED_LAYERS"  # "0": engines run their layers eager (EngineConfig.compiled_layers' default)
 

@@ -134,8 +134,7 @@ class PolicyProposer:
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
         for inp in inputs:
             self._state(inp.request_id)
-        batch_size = max(len(inputs), len(self.requests))
-        limited = [replace(inp, num_tokens=self.draft_len(inp, batch_size)) for inp in inputs]
+        limited = [replace(inp, num_tokens=self.draft_len(inp, len(self.requests))) for inp in inputs]
         drafts = self.inner.propose(limited)
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 

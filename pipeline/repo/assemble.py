@@ -76,6 +76,12 @@ def _ngram_params(ngram) -> dict[str, str]:
             "ngram_min_token_prob": str(ngram.min_token_prob)}
 
 
+def _policy_params(s, draft_token_cost: float) -> dict[str, str]:
+    """The speculation policy's settings (a `pipeline.spec.SpeculativeSpec`) for whichever model applies it."""
+    return {"num_draft_tokens": str(s.num_draft_tokens), "min_acceptance_rate": str(s.min_acceptance_rate),
+            "draft_token_cost": str(draft_token_cost), "max_batch_for_speculation": str(s.max_batch_for_speculation)}
+
+
 def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float,
                  draft_token_cost: float = 0.0) -> ModelConfigSpec:
     """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python).
@@ -103,9 +109,7 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
             params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
     engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
     if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
-        params.update(speculative_mode=s.mode, num_draft_tokens=str(s.num_draft_tokens), **_ngram_params(s.ngram),
-                      min_acceptance_rate=str(s.min_acceptance_rate), draft_token_cost=str(draft_token_cost),
-                      max_batch_for_speculation=str(s.max_batch_for_speculation))
+        params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, draft_token_cost))
     if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
@@ -150,7 +154,6 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "tokenizer_dir": str(tokenizer_dir),
         "skip_special_tokens": "true",
         "speculative_mode": s.mode,
-        "num_draft_tokens": str(s.num_draft_tokens),
         "max_draft_len": str(target.max_draft_len),
         "use_draft_logits": _bool(s.use_draft_logits),
         "max_input_len": str(target.max_input_len),
@@ -160,10 +163,8 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
         "verify_input_len": str(target.max_input_len if toolchain_traits(toolchain).verify_bounded_by_max_input_len
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
-        "min_acceptance_rate": str(s.min_acceptance_rate),
-        "draft_token_cost": str(draft_token_cost),
-        "max_batch_for_speculation": str(s.max_batch_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
+        **_policy_params(s, draft_token_cost),
     }
     if lookup_in_engine(s.mode, toolchain):  # the target drafts: the BLS streams and forwards each request's K
         params["engine_lookup"] = "true"

@@ -275,7 +275,7 @@ class SpeculativeDecoder:
         yield Chunk([], final=True, stats=stats)
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
-                     engine_k: int | None = None, stats: RequestStats | None = None) -> AsyncIterator[Generation]:
+                     engine_k: int | None, stats: RequestStats) -> AsyncIterator[Generation]:
         """Target calls of at most PLAIN_CHUNK_TOKENS tokens; engine_k: K for a target that drafts itself, whose
         counters each call adds to `stats` (the engine's model exports them as metrics itself)."""
         done = 0
@@ -287,7 +287,7 @@ class SpeculativeDecoder:
                                                 engine_draft_len=engine_k):
                 got, last = got + len(out.tokens), out
                 yield out  # the caller appends its tokens to `generated`
-            if last is not None and last.drafted and stats is not None:
+            if last is not None and last.drafted:
                 stats.total_draft_tokens += last.drafted
                 stats.total_accepted_draft_tokens += last.accepted
             done += got
