@@ -29,7 +29,7 @@ def reference(q, k, v, slots, starts, lengths) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16)])
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16), (18, 1, 256)])
 def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size):
     assert row_attention.kernel() is not None
     g = torch.Generator().manual_seed(heads * head_size)
@@ -63,8 +63,9 @@ def test_bad_keys_and_shapes_are_clear_errors():
         row_attention.row_attention(q, k, v, (torch.tensor([1]), one, torch.tensor([2])), 1.0)
     with pytest.raises(RuntimeError, match="k and v must be float32"):
         row_attention.row_attention(q, k.half(), v.half(), (torch.tensor([1]), one, torch.tensor([1])), 1.0)
-    assert not row_attention.supports(4, 2, 24) and not row_attention.supports(18, 1, 64)
-    assert row_attention.supports(9, 3, 64)
+    assert not row_attention.supports(4, 2, 24) and not row_attention.supports(8, 3, 64)
+    assert not row_attention.supports(4, 2, 272)
+    assert row_attention.supports(9, 3, 64) and row_attention.supports(18, 1, 64)
 
 
 @needs_kernel

@@ -1,10 +1,14 @@
 """Batch-invariant attention of decode and verify rows as the project's own kernel (csrc/row_attention.cpp).
 
-Each row is computed alone, by one thread, in slot order (its scores, the softmax's maximum and sum, the weighted
-values), so a verify row and a plain decode step of the same token get the same bits whatever else the forward
-holds, without the per-row SDPA calls of the model's fallback (one SDPA batch element per row, keys aligned to
-KEY_ALIGN, pipeline/reference/model.py). torch's CPU SDPA costs about 2 ms for one row over SmolLM2's 30 layers
-and 0.5 ms per further row, in call overhead: the arithmetic is a few microseconds per layer.
+Each row's result is a function of its query and its keys alone (a query head's scores, each summed over the head's
+dimensions in order; the softmax's maximum and sum in slot order; the weighted values in slot order), so a verify
+row and a plain decode step of the same token get the same bits whatever else the forward holds, without the
+per-row SDPA calls of the model's fallback (one SDPA batch element per row, keys aligned to KEY_ALIGN,
+pipeline/reference/model.py; torch's CPU SDPA costs about 2 ms for one row over SmolLM2's 30 layers and 0.5 ms per
+further row, in call overhead). Rows share work, not arithmetic: the rows of one sequence and the query heads of
+one KV head read each key and value once (16 keys transposed in registers, so a score is multiply-adds without a
+horizontal sum), and the next keys are prefetched. A verify's second row costs 4% of a step where it cost 9%
+(docs/benchmarks.md).
 
 It runs where the CPU has AVX-512, the model computes in float32 with a float32 KV cache and the rows form chains
 (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Numbers: docs/benchmarks.md.
@@ -35,8 +39,9 @@ def kernel():
 
 
 def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    """Whether the kernel takes these shapes: head_size a multiple of 16 up to 256, at most 8 query heads per KV head."""
-    return head_size % 16 == 0 and head_size <= 256 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
+    """Whether the kernel takes these shapes: head_size a multiple of 16 up to 256, whole groups of query heads per
+    KV head."""
+    return head_size % 16 == 0 and head_size <= 256 and num_heads % num_kv_heads == 0
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

@@ -1,9 +1,12 @@
-// Row attention: every query row attends over its own list of cache slots, alone, in one fixed order.
+// Row attention: every query row attends over its own list of cache slots, in one fixed order.
 //
-// A row's result is computed by one thread from its query and its keys only (scores in slot order, the
-// softmax's maximum and sum in slot order, the weighted values in slot order), so it never depends on the
-// other rows of the call, their count or the thread count: a verify row and a plain decode step of the same
-// token get the same bits by construction. Python side and the numbers: pipeline/reference/row_attention.py.
+// A row's result is a function of its query and its keys only (each query head's scores in slot order, each a
+// dot product summed over the head's dimensions in order; the softmax's maximum and sum in slot order; the
+// weighted values in slot order), so it never depends on the other rows of the call, their count or the thread
+// count: a verify row and a plain decode step of the same token get the same bits by construction. What rows
+// share is work, not arithmetic: the rows of one sequence (the same slot list) and the query heads of one KV head
+// read each key and value once per call, 16 keys at a time transposed in registers, so a verify's further rows
+// cost their multiply-adds and little else. Python side and the numbers: pipeline/reference/row_attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -16,8 +19,7 @@
 namespace {
 
 constexpr int LANES = 16;
-constexpr int MAX_HEAD_SIZE = 256;  // head_size / 16 zmm accumulators per query head
-constexpr int MAX_GROUP = 8;        // query heads per KV head
+constexpr int MAX_HEAD_SIZE = 256;  // the transposed keys' scratch: [MAX_HEAD_SIZE][16] floats
 
 // e^x on 16 lanes for x <= 0: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor polynomial of degree 7
 // (relative error below 2e-9, under float32's rounding), times 2^n by vscalefps. Below -87 it returns e^-87.
@@ -36,53 +38,155 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One row, one KV head: its `group` query heads q [group, D] over `length` keys at `slots`; out [group, D].
-void row_head(const float* q, const float* k, const float* v, const int64_t* slots, int64_t length, int64_t kv_stride,
-              int64_t group, int64_t D, float scale, float* scores, float* out) {
-  const int64_t chunks = D / LANES;
-  for (int64_t j = 0; j < length; ++j) {  // scores [group, length]: scale * q_h . k_j
-    const float* kj = k + slots[j] * kv_stride;
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * LANES), _mm512_loadu_ps(kj + c * LANES), acc);
-      scores[h * length + j] = _mm512_reduce_add_ps(acc) * scale;
+// out[t][d] = rows[d][t]: 16 x 16 floats in registers (unpack, shuffle, then two 128-bit lane shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+constexpr int QK_PAIRS = 8;  // pairs per score block: 8 accumulators, 16 keys in each
+constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 value registers
+
+// Scores of P pairs over 16 transposed keys kt [D][16]: s[p][t] = scale * sum_d q[p][d] * k_t[d], d in order,
+// fused multiply-adds from 0; keys t >= nk (mask) are not stored.
+template <int P>
+void qk_block(const float* const* q, const float* kt, int64_t D, float scale, __mmask16 mask, float* const* s) {
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kd = _mm512_load_ps(kt + d * LANES);
+    for (int p = 0; p < P; ++p) acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(q[p][d]), kd, acc[p]);
+  }
+  for (int p = 0; p < P; ++p) _mm512_mask_storeu_ps(s[p], mask, _mm512_mul_ps(acc[p], _mm512_set1_ps(scale)));
+}
+
+// out[p][c0 * 16 ...] for up to 4 chunks from c0: P pairs' probabilities e[p][j] (j < len[p]) times the values,
+// in slot order, divided by the pairs' sums.
+template <int P>
+void pv_block(const float* const* e, const int64_t* len, const float* inv_sum, const float* v, const int64_t* slots,
+              int64_t kv_stride, int64_t c0, int64_t cn, float* const* out) {
+  int64_t longest = 0;
+  for (int p = 0; p < P; ++p) longest = std::max(longest, len[p]);
+  __m512 acc[P][4];
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < longest; ++j) {
+    const float* vj = v + slots[j] * kv_stride + c0 * LANES;
+    __m512 vc[4];
+    for (int c = 0; c < 4; ++c) vc[c] = c < cn ? _mm512_loadu_ps(vj + c * LANES) : _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      if (j >= len[p]) continue;
+      const __m512 w = _mm512_set1_ps(e[p][j]);
+      for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_fmadd_ps(w, vc[c], acc[p][c]);
     }
   }
-  float inv_sum[MAX_GROUP];
-  for (int64_t h = 0; h < group; ++h) {  // softmax numerators in place, their sum
-    float* s = scores + h * length;
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < cn; ++c)
+      _mm512_storeu_ps(out[p] + (c0 + c) * LANES, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv_sum[p])));
+}
+
+// n (row, query head) pairs over one KV head: pair p's query q[p] [D] attends over the keys at slots[0 : len[p]],
+// its result goes to out[p] [D]. A pair's arithmetic is its own (its scores, its softmax's maximum and sum, its
+// weighted values, each in slot order); the pairs share only the loads of the keys and values.
+// s: scratch [n][longest rounded up to 16]; kt: scratch [D][16], 64-byte aligned.
+void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const* out, const float* k, const float* v,
+             const int64_t* slots, int64_t kv_stride, int64_t D, float scale, float* s, int64_t s_stride, float* kt) {
+  int64_t longest = 0;
+  for (int64_t p = 0; p < n; ++p) longest = std::max(longest, len[p]);
+  const int64_t chunks = D / LANES;
+  std::vector<float*> sp(n), sj(n);  // each pair's scores; from the current key block on
+  for (int64_t p = 0; p < n; ++p) sp[p] = s + p * s_stride;
+  for (int64_t j0 = 0; j0 < longest; j0 += LANES) {  // scores, 16 keys at a time
+    const int64_t nk = std::min<int64_t>(LANES, longest - j0);
+    const __mmask16 mask = nk == LANES ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
+    // the next block's keys and this block's values on their way in (a plain step's keys come from memory: the
+    // weights streamed through the caches since the layer's last step; measured 0.4-1.3 ms a SmolLM2 step)
+    for (int64_t t = j0 + LANES; t < std::min(longest, j0 + 2 * LANES); ++t)
+      for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + c * LANES), _MM_HINT_T0);
+    for (int64_t t = j0; t < j0 + nk; ++t)
+      for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(v + slots[t] * kv_stride + c * LANES), _MM_HINT_T1);
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 r[LANES];
+      for (int t = 0; t < LANES; ++t)
+        r[t] = t < nk ? _mm512_loadu_ps(k + slots[j0 + t] * kv_stride + c * LANES) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int d = 0; d < LANES; ++d) _mm512_store_ps(kt + (c * LANES + d) * LANES, r[d]);
+    }
+    for (int64_t p = 0; p < n; ++p) sj[p] = sp[p] + j0;
+    for (int64_t p0 = 0; p0 < n; p0 += QK_PAIRS) {
+      float* const* so = sj.data() + p0;
+      const float* const* qo = q + p0;
+      switch (std::min<int64_t>(QK_PAIRS, n - p0)) {
+        case 1: qk_block<1>(qo, kt, D, scale, mask, so); break;
+        case 2: qk_block<2>(qo, kt, D, scale, mask, so); break;
+        case 3: qk_block<3>(qo, kt, D, scale, mask, so); break;
+        case 4: qk_block<4>(qo, kt, D, scale, mask, so); break;
+        case 5: qk_block<5>(qo, kt, D, scale, mask, so); break;
+        case 6: qk_block<6>(qo, kt, D, scale, mask, so); break;
+        case 7: qk_block<7>(qo, kt, D, scale, mask, so); break;
+        default: qk_block<8>(qo, kt, D, scale, mask, so); break;
+      }
+    }
+  }
+  std::vector<float> inv_sum(n);
+  for (int64_t p = 0; p < n; ++p) {  // softmax numerators in place, their sum
+    float* e = sp[p];
+    const int64_t length = len[p];
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < length; j += LANES) {
       const __mmask16 m = length - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (length - j)) - 1);
-      best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, s + j));
+      best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, e + j));
     }
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < length; j += LANES) {
       const __mmask16 m = length - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (length - j)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
-      _mm512_mask_storeu_ps(s + j, m, e);
-      sum = _mm512_mask_add_ps(sum, m, sum, e);
+      const __m512 x = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, e + j), top));
+      _mm512_mask_storeu_ps(e + j, m, x);
+      sum = _mm512_mask_add_ps(sum, m, sum, x);
     }
-    inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv_sum[p] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  __m512 acc[MAX_GROUP][MAX_HEAD_SIZE / LANES];
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t c = 0; c < chunks; ++c) acc[h][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < length; ++j) {  // sum_j p_hj v_j
-    const float* vj = v + slots[j] * kv_stride;
-    for (int64_t h = 0; h < group; ++h) {
-      const __m512 p = _mm512_set1_ps(scores[h * length + j]);
-      for (int64_t c = 0; c < chunks; ++c) acc[h][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + c * LANES), acc[h][c]);
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // weighted values, 4 chunks of up to 6 pairs at a time
+    const int64_t cn = std::min<int64_t>(4, chunks - c0);
+    for (int64_t p0 = 0; p0 < n; p0 += PV_PAIRS) {
+      const float* const* eo = sp.data() + p0;
+      float* const* oo = out + p0;
+      switch (std::min<int64_t>(PV_PAIRS, n - p0)) {
+        case 1: pv_block<1>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+        case 2: pv_block<2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+        case 3: pv_block<3>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+        case 4: pv_block<4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+        case 5: pv_block<5>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+        default: pv_block<6>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, cn, oo); break;
+      }
     }
   }
-  for (int64_t h = 0; h < group; ++h)
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(out + h * D + c * LANES, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv_sum[h])));
 }
 
 }  // namespace
+
 
 // q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
 // slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
@@ -98,7 +202,7 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(k.size(2) == D && D % LANES == 0 && D <= MAX_HEAD_SIZE, "row_attention: head_size ", D,
               " must match the cache and be a multiple of 16, at most 256");
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP, "row_attention: ", H, " query heads over ", KVH, " KV heads");
+  TORCH_CHECK(H % KVH == 0, "row_attention: ", H, " query heads over ", KVH, " KV heads");
   TORCH_CHECK(starts.numel() == R && lengths.numel() == R, "row_attention: one start and one length per row");
   const int64_t group = H / KVH, kv_stride = KVH * D;
   const float* qp = q.data_ptr<float>();
@@ -117,12 +221,30 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   }
   auto out = at::empty({R, H * D}, q.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R * KVH, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scores(group * longest);
+  // row groups: consecutive rows with the same start (a sequence's new tokens) share their key and value loads
+  std::vector<int64_t> begin;
+  for (int64_t r = 0; r < R; ++r)
+    if (r == 0 || st[r] != st[r - 1]) begin.push_back(r);
+  begin.push_back(R);
+  const int64_t G = int64_t(begin.size()) - 1, s_stride = (longest + LANES - 1) / LANES * LANES;
+  at::parallel_for(0, G * KVH, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scores;
+    alignas(64) float kt[MAX_HEAD_SIZE * LANES];
+    std::vector<const float*> qs;
+    std::vector<float*> os;
+    std::vector<int64_t> lens;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r = u / KVH, g = u % KVH;
-      row_head(qp + (r * H + g * group) * D, kp + g * D, vp + g * D, sp + st[r], ln[r], kv_stride, group, D, float(scale),
-               scores.data(), op + r * H * D + g * group * D);
+      const int64_t gi = u / KVH, g = u % KVH;
+      qs.clear(), os.clear(), lens.clear();
+      for (int64_t r = begin[gi]; r < begin[gi + 1]; ++r)
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          qs.push_back(qp + (r * H + h) * D);
+          os.push_back(op + (r * H + h) * D);
+          lens.push_back(ln[r]);
+        }
+      scores.resize(qs.size() * s_stride);
+      kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[begin[gi]],
+              kv_stride, D, float(scale), scores.data(), s_stride, kt);
     }
   });
   return out;
