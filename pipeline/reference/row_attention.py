@@ -1,14 +1,13 @@
 """Batch-invariant attention of decode and verify rows as the project's own kernel (csrc/row_attention.cpp).
 
-Each row's result is a function of its query and its keys alone (a query head's scores, each summed over the head's
-dimensions in order; the softmax's maximum and sum in slot order; the weighted values in slot order), so a verify
-row and a plain decode step of the same token get the same bits whatever else the forward holds, without the
-per-row SDPA calls of the model's fallback (one SDPA batch element per row, keys aligned to KEY_ALIGN,
+Each row's result is a function of its query and its keys alone (a query head's scores, each a dot product in one
+fixed order; the softmax's maximum and sum in slot order; the weighted values in slot order), so a verify row and a
+plain decode step of the same token get the same bits whatever else the forward holds, without the per-row SDPA
+calls of the model's fallback (one SDPA batch element per row, keys aligned to KEY_ALIGN,
 pipeline/reference/model.py; torch's CPU SDPA costs about 2 ms for one row over SmolLM2's 30 layers and 0.5 ms per
 further row, in call overhead). Rows share work, not arithmetic: the rows of one sequence and the query heads of
-one KV head read each key and value once (16 keys transposed in registers, so a score is multiply-adds without a
-horizontal sum), and the next keys are prefetched. A verify's second row costs 4% of a step where it cost 9%
-(docs/benchmarks.md).
+one KV head read each key and value once (16 keys transposed in registers), and the next keys are prefetched. A
+verify's second row costs 6% of a step where it cost 10%, with the same bits as before (docs/benchmarks.md).
 
 It runs where the CPU has AVX-512, the model computes in float32 with a float32 KV cache and the rows form chains
 (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Numbers: docs/benchmarks.md.

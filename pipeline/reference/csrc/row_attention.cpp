@@ -1,12 +1,14 @@
 // Row attention: every query row attends over its own list of cache slots, in one fixed order.
 //
 // A row's result is a function of its query and its keys only (each query head's scores in slot order, each a
-// dot product summed over the head's dimensions in order; the softmax's maximum and sum in slot order; the
-// weighted values in slot order), so it never depends on the other rows of the call, their count or the thread
-// count: a verify row and a plain decode step of the same token get the same bits by construction. What rows
-// share is work, not arithmetic: the rows of one sequence (the same slot list) and the query heads of one KV head
-// read each key and value once per call, 16 keys at a time transposed in registers, so a verify's further rows
-// cost their multiply-adds and little else. Python side and the numbers: pipeline/reference/row_attention.py.
+// dot product in one fixed order; the softmax's maximum and sum in slot order; the weighted values in slot
+// order), so it never depends on the other rows of the call, their count or the thread count: a verify row and a
+// plain decode step of the same token get the same bits by construction. What rows share is work, not
+// arithmetic: the rows of one sequence (the same slot list) and the query heads of one KV head read each key and
+// value once per call, 16 keys at a time transposed in registers, and the next keys are prefetched. The bits are
+// those of the earlier one-key-at-a-time kernel (16-lane multiply-adds, then _mm512_reduce_add_ps's tree), which
+// the int8_sq engines' greedy texts depend on: their per-token activation rounding turns any last-bit change
+// of attention into different texts. Python side and the numbers: pipeline/reference/row_attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -65,20 +67,29 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-constexpr int QK_PAIRS = 8;  // pairs per score block: 8 accumulators, 16 keys in each
+constexpr int QK_PAIRS = 4;  // pairs per score block: 4 x 4 partial sums of 16 keys
 constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 value registers
 
-// Scores of P pairs over 16 transposed keys kt [D][16]: s[p][t] = scale * sum_d q[p][d] * k_t[d], d in order,
-// fused multiply-adds from 0; keys t >= nk (mask) are not stored.
+// Scores of P pairs over 16 transposed keys kt [D][16] (keys t >= nk, outside mask, are not stored), each with the
+// arithmetic of a dot product over 16-lane chunks: lane l sums q[16c + l] * k[16c + l] over the chunks c in order
+// by fused multiply-adds from 0, then the 16 lane sums add up in _mm512_reduce_add_ps's tree (lane l + lane l + 8,
+// then + 4, then + 2, then + 1), then times scale.
 template <int P>
-void qk_block(const float* const* q, const float* kt, int64_t D, float scale, __mmask16 mask, float* const* s) {
-  __m512 acc[P];
-  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 kd = _mm512_load_ps(kt + d * LANES);
-    for (int p = 0; p < P; ++p) acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(q[p][d]), kd, acc[p]);
+void qk_block(const float* const* q, const float* kt, int64_t chunks, float scale, __mmask16 mask, float* const* s) {
+  auto lane = [&](int p, int l) {  // lane l's sums of pair p, for the 16 keys
+    __m512 x = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c)
+      x = _mm512_fmadd_ps(_mm512_set1_ps(q[p][c * LANES + l]), _mm512_load_ps(kt + (c * LANES + l) * LANES), x);
+    return x;
+  };
+  __m512 quarter[P][4];  // lanes i + (i + 8) + (i + 4) + (i + 12), as the tree adds them
+  for (int i = 0; i < 4; ++i)
+    for (int p = 0; p < P; ++p)
+      quarter[p][i] = _mm512_add_ps(_mm512_add_ps(lane(p, i), lane(p, i + 8)), _mm512_add_ps(lane(p, i + 4), lane(p, i + 12)));
+  for (int p = 0; p < P; ++p) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(quarter[p][0], quarter[p][2]), _mm512_add_ps(quarter[p][1], quarter[p][3]));
+    _mm512_mask_storeu_ps(s[p], mask, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
   }
-  for (int p = 0; p < P; ++p) _mm512_mask_storeu_ps(s[p], mask, _mm512_mul_ps(acc[p], _mm512_set1_ps(scale)));
 }
 
 // out[p][c0 * 16 ...] for up to 4 chunks from c0: P pairs' probabilities e[p][j] (j < len[p]) times the values,
@@ -138,14 +149,10 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
       float* const* so = sj.data() + p0;
       const float* const* qo = q + p0;
       switch (std::min<int64_t>(QK_PAIRS, n - p0)) {
-        case 1: qk_block<1>(qo, kt, D, scale, mask, so); break;
-        case 2: qk_block<2>(qo, kt, D, scale, mask, so); break;
-        case 3: qk_block<3>(qo, kt, D, scale, mask, so); break;
-        case 4: qk_block<4>(qo, kt, D, scale, mask, so); break;
-        case 5: qk_block<5>(qo, kt, D, scale, mask, so); break;
-        case 6: qk_block<6>(qo, kt, D, scale, mask, so); break;
-        case 7: qk_block<7>(qo, kt, D, scale, mask, so); break;
-        default: qk_block<8>(qo, kt, D, scale, mask, so); break;
+        case 1: qk_block<1>(qo, kt, chunks, scale, mask, so); break;
+        case 2: qk_block<2>(qo, kt, chunks, scale, mask, so); break;
+        case 3: qk_block<3>(qo, kt, chunks, scale, mask, so); break;
+        default: qk_block<4>(qo, kt, chunks, scale, mask, so); break;
       }
     }
   }
