@@ -1,12 +1,17 @@
-"""A/B of the reference model's attention: this tree's model.py against a git revision's, in one process.
+"""A/B of the reference model's attention: this tree's model.py, or its row attention kernel, against a git
+revision's, in one process.
 
     .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target [--rev 51d9882] [--reps 11] [--context 128]
+    .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target --kernel --rev c5eb53d [--context 300]
 
 Loads the engine twice, once through this tree's pipeline/reference/model.py and once through the
 revision's (`git show REV:pipeline/reference/model.py`, the rest of the package from this tree), and
 times, interleaved in every repeat on one torch thread: one decode step after `context` cached tokens,
 a verify of 6 tokens, and one decode step of 8 sequences in flight (contexts spread around `context`),
 in both attention modes of each (batch_invariant on / off). Medians; the load average is printed.
+With --kernel: one model (this tree's, as serving loads it) whose row attention calls, in turn, this tree's
+csrc/row_attention.cpp and the revision's (built under its own op namespace), timed for a forward of 1, 2, 3, 4
+and 6 new tokens and one step of 8 sequences in flight, and whether the two kernels give the same logits bit for bit.
 A measurement, not a test: run it by hand under the bench lock (docs/benchmarks.md, "Greedy identity in serving").
 """
 
@@ -40,6 +45,63 @@ def revision_module(rev: str):
     return module
 
 
+def revision_kernel(rev: str):
+    """csrc/row_attention.cpp at `rev`, built as `torch.ops.specdeploy_<rev>.row_attention`."""
+    from torch.utils.cpp_extension import load_inline
+
+    from pipeline.reference import row_attention
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/reference/csrc/row_attention.cpp"],
+                            check=True, capture_output=True, text=True).stdout
+    namespace = f"specdeploy_{rev}"
+    load_inline(namespace, cpp_sources=[source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")],
+                extra_cflags=row_attention.FLAGS, is_python_module=False)
+    return getattr(torch.ops, namespace).row_attention
+
+
+def kernel_ab(engine: str, rev: str, reps: int, ctx: int) -> None:
+    """This tree's row attention kernel against the revision's, in one model (see the module docstring)."""
+    from pipeline.reference import row_attention
+    if row_attention.kernel() is None:
+        raise SystemExit("the row attention kernel does not run here (no AVX-512, or REFERENCE_ROW_ATTENTION=0)")
+    kernels = {"this tree": torch.ops.specdeploy.row_attention, rev: revision_kernel(rev)}
+    from pipeline.serving.reference_adapter import load_serving_engine
+    model = load_serving_engine(Path(engine)).model  # as the tensorrt_llm model serves it: batch-invariant, compiled
+    lengths = [ctx * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)]  # 8 in flight
+    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + 8)]
+    per_seq = -(-(max(lengths) + 8) // 32)
+    kv = model.new_kv_cache(per_seq * 8, 32)
+    table = [list(range(j * per_seq, (j + 1) * per_seq)) for j in range(8)]
+    shapes = {"1 token": (1, 1)} | {f"{n} tokens": (n, 1) for n in (2, 3, 4, 6)} | {"8 x 1 token": (1, 8)}
+
+    def forward(kernel, n: int, batch: int) -> torch.Tensor:
+        row_attention.row_attention = lambda q, k, v, keys, scale: kernel(q, k, v, *keys, scale)
+        return model([current.SequenceInput(ids[lengths[j]:lengths[j] + n], lengths[j], table[j],
+                                            logits_rows=list(range(n))) for j in range(batch)], kv).logits
+
+    times = {(name, shape): [] for name in kernels for shape in shapes}
+    same = {}
+    with torch.inference_mode():
+        model([current.SequenceInput(ids[:n], 0, t) for n, t in zip(lengths, table)], kv)
+        for _ in range(reps):
+            for shape, (n, batch) in shapes.items():
+                logits = {}
+                for name, kernel in kernels.items():
+                    start = time.perf_counter()
+                    logits[name] = forward(kernel, n, batch)
+                    times[(name, shape)].append(time.perf_counter() - start)
+                same[shape] = torch.equal(*logits.values())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{engine}; load average {load}; median of {reps}, 1 thread, context {ctx} (8 in flight: "
+          f"{min(lengths)}-{max(lengths)}); ratio = against the same kernel's 1 token")
+    print("| kernel | " + " | ".join(f"{shape} ms (ratio)" for shape in shapes) + " |")
+    print("|---|" + "---|" * len(shapes))
+    for name in kernels:
+        one = statistics.median(times[(name, "1 token")])
+        cells = (statistics.median(times[(name, shape)]) for shape in shapes)
+        print(f"| {name} | " + " | ".join(f"{t * 1000:.1f} ({t / one:.3f})" for t in cells) + " |")
+    print("same logits bit for bit: " + ", ".join(f"{shape} {'yes' if ok else 'NO'}" for shape, ok in same.items()))
+
+
 def main() -> None:
     """CLI (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,8 +109,12 @@ def main() -> None:
     parser.add_argument("--rev", default="51d9882", help="git revision to compare against (default: before exact attention)")
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--kernel", action="store_true", help="compare the row attention kernels, not model.py")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.kernel:
+        kernel_ab(args.engine, args.rev, args.reps, args.context)
+        return
     modules = {"this tree": current, args.rev: revision_module(args.rev)}
     ctx = args.context
     lengths = [ctx * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)]  # 8 in flight
