@@ -7,7 +7,7 @@ calls of the model's fallback (one SDPA batch element per row, keys aligned to K
 pipeline/reference/model.py; torch's CPU SDPA costs about 2 ms for one row over SmolLM2's 30 layers and 0.5 ms per
 further row, in call overhead). Rows share work, not arithmetic: the rows of one sequence and the query heads of
 one KV head read each key and value once (16 keys transposed in registers), and the next keys are prefetched. A
-verify's second row costs 6% of a step where it cost 10%, with the same bits as before (docs/benchmarks.md).
+verify's second row costs 4% of a step where it cost 11%, with the same bits as before (docs/benchmarks.md).
 
 It runs where the CPU has AVX-512, the model computes in float32 with a float32 KV cache and the rows form chains
 (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Numbers: docs/benchmarks.md.
