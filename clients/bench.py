@@ -20,7 +20,8 @@ closed loop of C streaming clients over the set's prompts and reports:
 Each (prompt set, concurrency) group's K cells run `repeats` times, the K order rotated every time
 (0,2,5 then 2,5,0 ...), each repeat on the next prompts of the set, so load drift on a shared machine and
 the order of cells hit every K alike; a cell pools its repeats (tokens over summed wall time) and also
-keeps each repeat's output tokens/s and speedup, whose spread shows the noise.
+keeps each repeat's output tokens/s and speedup, whose spread shows the noise and how much the repeats' prompts
+differ (a speculative cell's repeats measure different prompts; the pooled value measures the set).
 It writes bench.json, bench.md (tables + the best K per prompt set and concurrency) and plots (speedup_split.png:
 the three factors of each speedup).
 
