@@ -32,12 +32,25 @@ from pipeline.reference import model as current
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def revision_source(rev: str, path: str) -> str:
+    """The text of `path` (relative to the repository) at git revision `rev`."""
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def contexts(ctx: int) -> tuple[list[int], list[int], list[list[int]], int]:
+    """8 sequences in flight around `ctx` cached tokens: (their lengths, token ids to slice them from, their block
+    tables, the cache's block count), blocks of 32 tokens with room for 8 new tokens each."""
+    lengths = [ctx * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)]
+    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + 8)]
+    per_seq = -(-(max(lengths) + 8) // 32)
+    return lengths, ids, [list(range(j * per_seq, (j + 1) * per_seq)) for j in range(8)], per_seq * 8
+
+
 def revision_module(rev: str):
     """pipeline/reference/model.py at `rev`, imported as its own module."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/reference/model.py"],
-                            check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"model_{rev}.py"
-    path.write_text(source)
+    path.write_text(revision_source(rev, "pipeline/reference/model.py"))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module  # dataclasses look their module up
@@ -50,8 +63,7 @@ def revision_kernel(rev: str):
     from torch.utils.cpp_extension import load_inline
 
     from pipeline.reference import row_attention
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/reference/csrc/row_attention.cpp"],
-                            check=True, capture_output=True, text=True).stdout
+    source = revision_source(rev, "pipeline/reference/csrc/row_attention.cpp")
     namespace = f"specdeploy_{rev}"
     load_inline(namespace, cpp_sources=[source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")],
                 extra_cflags=row_attention.FLAGS, is_python_module=False)
@@ -63,14 +75,12 @@ def kernel_ab(engine: str, rev: str, reps: int, ctx: int) -> None:
     from pipeline.reference import row_attention
     if row_attention.kernel() is None:
         raise SystemExit("the row attention kernel does not run here (no AVX-512, or REFERENCE_ROW_ATTENTION=0)")
-    kernels = {"this tree": torch.ops.specdeploy.row_attention, rev: revision_kernel(rev)}
     from pipeline.serving.reference_adapter import load_serving_engine
+
+    kernels = {"this tree": torch.ops.specdeploy.row_attention, rev: revision_kernel(rev)}
     model = load_serving_engine(Path(engine)).model  # as the tensorrt_llm model serves it: batch-invariant, compiled
-    lengths = [ctx * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)]  # 8 in flight
-    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + 8)]
-    per_seq = -(-(max(lengths) + 8) // 32)
-    kv = model.new_kv_cache(per_seq * 8, 32)
-    table = [list(range(j * per_seq, (j + 1) * per_seq)) for j in range(8)]
+    lengths, ids, table, blocks = contexts(ctx)
+    kv = model.new_kv_cache(blocks, 32)
     shapes = {"1 token": (1, 1)} | {f"{n} tokens": (n, 1) for n in (2, 3, 4, 6)} | {"8 x 1 token": (1, 8)}
 
     def forward(kernel, n: int, batch: int) -> torch.Tensor:
@@ -80,16 +90,20 @@ def kernel_ab(engine: str, rev: str, reps: int, ctx: int) -> None:
 
     times = {(name, shape): [] for name in kernels for shape in shapes}
     same = {}
-    with torch.inference_mode():
-        model([current.SequenceInput(ids[:n], 0, t) for n, t in zip(lengths, table)], kv)
-        for _ in range(reps):
-            for shape, (n, batch) in shapes.items():
-                logits = {}
-                for name, kernel in kernels.items():
-                    start = time.perf_counter()
-                    logits[name] = forward(kernel, n, batch)
-                    times[(name, shape)].append(time.perf_counter() - start)
-                same[shape] = torch.equal(*logits.values())
+    installed = row_attention.row_attention
+    try:
+        with torch.inference_mode():
+            model([current.SequenceInput(ids[:n], 0, t) for n, t in zip(lengths, table)], kv)
+            for _ in range(reps):
+                for shape, (n, batch) in shapes.items():
+                    logits = {}
+                    for name, kernel in kernels.items():
+                        start = time.perf_counter()
+                        logits[name] = forward(kernel, n, batch)
+                        times[(name, shape)].append(time.perf_counter() - start)
+                    same[shape] = torch.equal(*logits.values())
+    finally:
+        row_attention.row_attention = installed
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{engine}; load average {load}; median of {reps}, 1 thread, context {ctx} (8 in flight: "
           f"{min(lengths)}-{max(lengths)}); ratio = against the same kernel's 1 token")
@@ -117,14 +131,11 @@ def main() -> None:
         return
     modules = {"this tree": current, args.rev: revision_module(args.rev)}
     ctx = args.context
-    lengths = [ctx * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)]  # 8 in flight
-    ids = [(7 * i + 3) % 1000 + 10 for i in range(max(lengths) + 8)]
-    per_seq = -(-(max(lengths) + 8) // 32)
+    lengths, ids, table, blocks = contexts(ctx)
     setups = {}
     for name, module in modules.items():
         model = module.LlamaModel.from_engine_dir(args.engine)
-        kv = model.new_kv_cache(per_seq * 8, 32)
-        table = [list(range(j * per_seq, (j + 1) * per_seq)) for j in range(8)]
+        kv = model.new_kv_cache(blocks, 32)
         with torch.inference_mode():
             model([module.SequenceInput(ids[:n], 0, t) for n, t in zip(lengths, table)], kv)
         setups[name] = (module, model, kv, table)

@@ -218,8 +218,7 @@ def run_bench(spec, log=print) -> str:
                                    ("triton", "Triton tensorrt_llm_bls", "triton engine busy")):
         wall, inside, n = med[f"{name} spec"], med[busy_name], max(med[f"{name} steps"], 1)
         lines.append(f"| {label} | {1000 * wall / n:.1f} | {1000 * inside / n:.1f} | {(wall - inside) / wall:.0%} |")
-    lines += [
-              "", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
+    lines += ["", "Reproduce: `make bench-serve` (SPEC=examples/default.yaml).", END]
     return "\n".join(lines)
 
 
