@@ -53,6 +53,32 @@ def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv
 
 
 @needs_kernel
+def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads():
+    """A 40-row prompt (the kernel splits a sequence's rows into work items of 16) and a 3-row verify of another
+    sequence: every row equals itself computed alone, on one thread or two, and softmax attention to float32
+    accuracy."""
+    g = torch.Generator().manual_seed(40)
+    k, v = torch.randn(128, 3, 64, generator=g), torch.randn(128, 3, 64, generator=g)
+    q = torch.randn(43, 9, 64, generator=g) * 3
+    slots = torch.randperm(128, generator=g)
+    starts = torch.tensor([0] * 40 + [40] * 3)
+    lengths = torch.tensor(list(range(1, 41)) + [70, 71, 72])
+    keys = (slots, starts, lengths)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(row_attention.row_attention(q, k, v, keys, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    alone = torch.cat([row_attention.row_attention(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]), 0.125)
+                       for r in range(len(q))])
+    assert torch.equal(outs[0], alone) and torch.equal(outs[1], alone)
+    assert (alone.double() - reference(q, k, v, *keys)).abs().max() < 1e-5
+
+
+@needs_kernel
 def test_bad_keys_and_shapes_are_clear_errors():
     k = v = torch.zeros(10, 2, 32)
     q = torch.zeros(1, 4, 32)

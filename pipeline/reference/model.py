@@ -260,14 +260,16 @@ class LlamaModel(torch.nn.Module):
         first_layer_input [T, in] replaces layer 0's normed input to attention (EAGLE-3's midlayer attends
         over concat(norm(embedding), norm(hidden)), 2 * hidden wide); its residual stays input_embeds.
         """
-        row_keys = (self.batch_invariant and self.dtype == torch.float32 and not kv.quantized
+        # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
+        small = self.batch_invariant or sum(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
+        # the row attention kernel: exact mode's attention, and small forwards' otherwise (its one call per layer
+        # beats SDPA's per-group calls there; a long prompt is up to 3x faster on SDPA's flash kernel, docs/engine.md)
+        row_keys = (small and self.dtype == torch.float32 and not kv.quantized
                     and all(seq.parents is None for seq in seqs)
                     and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                     and row_attention.kernel() is not None)
         plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype, row_keys)
         kv.clear(plan.pad_slots)
-        # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
-        small = self.batch_invariant or len(plan.token_ids) <= DECODE_ROWS
         with intra_op_threads(self.decode_threads if small else None):
             return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
 

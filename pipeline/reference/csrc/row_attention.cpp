@@ -15,13 +15,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
 namespace {
 
 constexpr int LANES = 16;
-constexpr int MAX_HEAD_SIZE = 256;  // the transposed keys' scratch: [MAX_HEAD_SIZE][16] floats
+constexpr int MAX_HEAD_SIZE = 256;
+constexpr int64_t ROWS_PER_ITEM = 16;  // rows of one sequence per work item (a verify's rows: one item)  // the transposed keys' scratch: [MAX_HEAD_SIZE][16] floats
 
 // e^x on 16 lanes for x <= 0: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor polynomial of degree 7
 // (relative error below 2e-9, under float32's rounding), times 2^n by vscalefps. Below -87 it returns e^-87.
@@ -221,36 +223,47 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   const int64_t* ln = lengths.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "row_attention: slot ", sp[i], " is not in the cache");
-  int64_t longest = 0;
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(ln[r] > 0 && st[r] >= 0 && st[r] + ln[r] <= slots.numel(), "row_attention: row ", r, "'s keys are out of range");
-    longest = std::max(longest, ln[r]);
-  }
   auto out = at::empty({R, H * D}, q.options());
   float* op = out.data_ptr<float>();
-  // row groups: consecutive rows with the same start (a sequence's new tokens) share their key and value loads
-  std::vector<int64_t> begin;
+  // work items: up to ROWS_PER_ITEM consecutive rows with the same start (a sequence's new tokens) times one KV head;
+  // an item's pairs share their key and value loads. A prefill's rows split into many items, so its score scratch
+  // stays in the cache, a row computes no scores past its own keys' block, and both threads get work.
+  std::vector<int64_t> first;  // first row of each item, then R
   for (int64_t r = 0; r < R; ++r)
-    if (r == 0 || st[r] != st[r - 1]) begin.push_back(r);
-  begin.push_back(R);
-  const int64_t G = int64_t(begin.size()) - 1, s_stride = (longest + LANES - 1) / LANES * LANES;
-  at::parallel_for(0, G * KVH, 1, [&](int64_t u0, int64_t u1) {
+    if (r == 0 || st[r] != st[r - 1] || r - first.back() == ROWS_PER_ITEM) first.push_back(r);
+  first.push_back(R);
+  const int64_t items = (int64_t(first.size()) - 1) * KVH;
+  // handed out one at a time, longest keys first (a prefill's later rows cost more): which thread computes a row
+  // never changes its bits
+  std::vector<int64_t> order(items);
+  for (int64_t u = 0; u < items; ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return ln[first[a / KVH + 1] - 1] > ln[first[b / KVH + 1] - 1];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     alignas(64) float kt[MAX_HEAD_SIZE * LANES];
     std::vector<const float*> qs;
     std::vector<float*> os;
     std::vector<int64_t> lens;
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t gi = u / KVH, g = u % KVH;
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t u = order[i], gi = u / KVH, g = u % KVH;
       qs.clear(), os.clear(), lens.clear();
-      for (int64_t r = begin[gi]; r < begin[gi + 1]; ++r)
+      int64_t longest_here = 0;
+      for (int64_t r = first[gi]; r < first[gi + 1]; ++r) {
+        longest_here = std::max(longest_here, ln[r]);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           qs.push_back(qp + (r * H + h) * D);
           os.push_back(op + (r * H + h) * D);
           lens.push_back(ln[r]);
         }
+      }
+      const int64_t s_stride = (longest_here + LANES - 1) / LANES * LANES;
       scores.resize(qs.size() * s_stride);
-      kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[begin[gi]],
+      kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[first[gi]],
               kv_stride, D, float(scale), scores.data(), s_stride, kt);
     }
   });
