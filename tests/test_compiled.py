@@ -68,6 +68,23 @@ def test_compiled_rows_do_not_depend_on_the_batch(int8_engines):  # noqa: F811
     assert torch.equal(pair[:6], many)
 
 
+def test_regions_call_inductors_code_directly_with_the_artifacts_results():
+    """Each region is inductor's generated code called without the artifact's wrappers (`_direct`: with torch's
+    internals changed it would fall back to the artifact, and this fails), and gives the artifact's results."""
+    from torch._inductor.standalone_compile import CompiledArtifact
+
+    def region(x, w):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5) * 2, x.abs().amax(dim=-1, keepdim=True)
+
+    artifact = compiled._artifact(region, torch.rand(2, 64), torch.rand(64))
+    direct = compiled._direct(artifact)
+    assert isinstance(artifact, CompiledArtifact) and not isinstance(direct, CompiledArtifact)
+    for rows in (1, 3):
+        x, w = torch.randn(rows, 64), torch.randn(64)
+        got, want = direct(x, w), artifact(x, w)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].shape == (rows, 64)
+
+
 def test_compiled_layers_capture_the_eager_hidden_states(int8_engines):  # noqa: F811
     model = LlamaModel.from_engine_dir(int8_engines["int8_sq"])
     kv = model.new_kv_cache(2, 32)
