@@ -26,6 +26,7 @@ differently from plain decoding).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -268,7 +269,8 @@ class LlamaModel(torch.nn.Module):
                     and all(seq.parents is None for seq in seqs)
                     and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                     and row_attention.kernel() is not None)
-        plan = _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype, row_keys)
+        plan = (_AttentionPlan.for_row_attention(seqs, kv.block_size) if row_keys
+                else _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype))
         kv.clear(plan.pad_slots)
         with intra_op_threads(self.decode_threads if small else None):
             return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
@@ -276,9 +278,9 @@ class LlamaModel(torch.nn.Module):
     def _forward(self, plan: "_AttentionPlan", kv: KVCache, return_hidden: bool, input_embeds: torch.Tensor | None,
                  capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None) -> ForwardOutput:
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
+        if max(plan.positions) >= self.rope_cos.shape[0]:
+            raise ValueError(f"position {max(plan.positions)} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
         x = self.embed.index_select(0, tokens) if input_embeds is None else input_embeds.to(self.dtype)  # [T, hidden]
@@ -375,11 +377,38 @@ class _AttentionPlan:
     row_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool, dtype: torch.dtype,
-              row_keys: bool = False) -> "_AttentionPlan":
-        """The plan of a forward (masks additive, in the compute `dtype`).
+    def for_row_attention(cls, seqs: list[SequenceInput], block_size: int) -> "_AttentionPlan":
+        """The plan of a forward of chains on the row_attention kernel: row_keys, no SDPA groups.
 
-        row_keys (chains only): each row's key slots for the row_attention kernel, no SDPA groups.
+        The key slots are every sequence's blocks up to its last new token, expanded to slots (a block's slots
+        past the sequence's end are never read: a row's length stops at its own slot), so a forward of any
+        number of sequences costs a few torch calls; the rows read the same slots in the same order as
+        `build`'s per-sequence slot lists did.
+        """
+        token_ids, positions, slots, logits_rows, blocks, starts, lengths = [], [], [], [], [], [], []
+        row = 0
+        for seq in seqs:
+            n, c = _checked_sizes(seq, block_size)
+            if seq.parents is not None:
+                raise ValueError("row attention takes chains: a tree forward needs SDPA's masks (build)")
+            table = seq.block_table
+            starts += [len(blocks) * block_size] * n  # where this sequence's slots begin in the key slots
+            blocks += table[:-(-(c + n) // block_size)]
+            token_ids += seq.token_ids
+            positions += range(c, c + n)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+            lengths += range(c + 1, c + n + 1)
+            logits_rows += [row + r for r in (seq.logits_rows if seq.logits_rows is not None else [n - 1])]
+            row += n
+        key_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + _block_offsets(block_size)).flatten()
+        keys = (key_slots, torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
+        logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
+        return cls(token_ids, positions, torch.tensor(slots, dtype=torch.long), [], _NO_SLOTS, logits_index, keys)
+
+    @classmethod
+    def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool,
+              dtype: torch.dtype) -> "_AttentionPlan":
+        """The plan of a forward on SDPA (masks additive, in the compute `dtype`).
 
         batch_invariant: every row is its own batch element, and its call has exactly the key count a plain
         decode of its slot has: its slot index + 1, aligned up to KEY_ALIGN (rows of one sequence, or decodes of
@@ -390,16 +419,10 @@ class _AttentionPlan:
         align = KEY_ALIGN if batch_invariant else 1
         token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
         decodes: list[tuple[int, torch.Tensor, int]] = []  # one-token sequences (row, slots, key count): grouped last
-        key_slots, key_starts, key_lengths = [], [], []  # row_keys: each sequence's slots once, each row's span
-        key_offset = 0  # where the next sequence's slots start in the concatenated key_slots
         row = 0
         for seq in seqs:
-            n, c = len(seq.token_ids), seq.num_cached
-            if n == 0:
-                raise ValueError("a sequence in a forward must bring at least one new token")
+            n, c = _checked_sizes(seq, block_size)
             blocks = torch.tensor(seq.block_table, dtype=torch.long)
-            if len(seq.block_table) * block_size < c + n:
-                raise ValueError(f"block table holds {len(seq.block_table) * block_size} tokens, the sequence needs {c + n}")
             all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # [capacity]
             if seq.parents is None:
                 depth = list(range(1, n + 1))
@@ -414,12 +437,7 @@ class _AttentionPlan:
             token_ids += seq.token_ids
             positions += [c + d - 1 for d in depth]
             slots.append(all_slots[c:c + n])
-            if row_keys:
-                key_slots.append(all_slots[:c + n])
-                key_starts += [key_offset] * n
-                key_lengths += range(c + 1, c + n + 1)
-                key_offset += c + n
-            elif n == 1:
+            if n == 1:
                 decodes.append((row, all_slots, c + 1))
             else:
                 visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)  # [n, c + n] True = attend
@@ -441,15 +459,30 @@ class _AttentionPlan:
         for bucket in buckets.values():
             groups += _decode_group(bucket, block_size, align, pad_slots)
         logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
-        if row_keys:
-            keys = (torch.cat(key_slots), torch.tensor(key_starts, dtype=torch.long),
-                    torch.tensor(key_lengths, dtype=torch.long))
-            return cls(token_ids, positions, torch.cat(slots), [], torch.empty(0, dtype=torch.long), logits_index, keys)
-        pad = torch.cat(pad_slots) if pad_slots else torch.empty(0, dtype=torch.long)
+        pad = torch.cat(pad_slots) if pad_slots else _NO_SLOTS
         # additive masks, made once for every layer (SDPA would turn a boolean mask into one per call: the same values)
         groups = [(rows, batch, keys, None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(
             ~mask, float("-inf"))) for rows, batch, keys, mask in groups]
         return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)  # no padding slots to clear (read only)
+
+
+def _checked_sizes(seq: SequenceInput, block_size: int) -> tuple[int, int]:
+    """(new tokens, cached tokens) of a sequence whose block table holds them all; else a ValueError."""
+    n, c = len(seq.token_ids), seq.num_cached
+    if n == 0:
+        raise ValueError("a sequence in a forward must bring at least one new token")
+    if len(seq.block_table) * block_size < c + n:
+        raise ValueError(f"block table holds {len(seq.block_table) * block_size} tokens, the sequence needs {c + n}")
+    return n, c
+
+
+@functools.cache
+def _block_offsets(block_size: int) -> torch.Tensor:
+    """[block_size] slot offsets within a block (read only)."""
+    return torch.arange(block_size)
 
 
 def _aligned(length: int, align: int) -> int:
