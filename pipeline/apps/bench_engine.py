@@ -89,9 +89,11 @@ def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def local_prompts(tokenizer, n: int) -> list[list[int]]:
-    """Beginnings of local-text paragraphs (the trained pair's own domain)."""
+    """Beginnings of local-text paragraphs (the trained pair's own domain), about 400 characters cut after a whole
+    word: a prompt cut mid-word made every request's first draft miss (the pair completes the word differently),
+    and with 8 in flight that first step alone is the pooled switch-off's evidence."""
     text = local_text()
-    return [tokenizer(text[i * 20_000:i * 20_000 + 400])["input_ids"] for i in range(n)]
+    return [tokenizer(text[i * 20_000:i * 20_000 + 400].rsplit(" ", 1)[0])["input_ids"] for i in range(n)]
 
 
 def make_pairs(names: list[str], n_prompts: int, trained: Path = TRAINED) -> list[Pair]:
