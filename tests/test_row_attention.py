@@ -79,6 +79,26 @@ def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads():
 
 
 @needs_kernel
+def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention():
+    """The fused call the model makes per layer: the new tokens' keys and values (strided rows, as views of the qkv
+    projection) land at their slots, and the result is row_attention's over the cache written the usual way."""
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(64, 2, 32, generator=g), torch.randn(64, 2, 32, generator=g)
+    qkv = torch.randn(3, 8 + 2 * 2, 32, generator=g)  # 8 query heads, 2 KV heads: k_new and v_new are strided views
+    q, k_new, v_new = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    new_slots = torch.tensor([40, 41, 42])
+    keys = (torch.arange(43), torch.zeros(3, dtype=torch.long), torch.tensor([41, 42, 43]))
+    k_ref, v_ref = k.clone().index_copy_(0, new_slots, k_new), v.clone().index_copy_(0, new_slots, v_new)
+    want = row_attention.row_attention(q, k_ref, v_ref, keys, 0.2)
+    got = row_attention.write_and_attend(q, k_new, v_new, new_slots, k, v, keys, 0.2)
+    assert torch.equal(got, want) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    with pytest.raises(RuntimeError, match="slot 64 is not in the cache"):
+        row_attention.write_and_attend(q, k_new, v_new, torch.tensor([40, 41, 64]), k, v, keys, 0.2)
+    with pytest.raises(RuntimeError, match="k_new and v_new must be float32"):
+        row_attention.write_and_attend(q, k_new.double(), v_new, new_slots, k, v, keys, 0.2)
+
+
+@needs_kernel
 def test_bad_keys_and_shapes_are_clear_errors():
     k = v = torch.zeros(10, 2, 32)
     q = torch.zeros(1, 4, 32)
@@ -113,8 +133,8 @@ def test_the_model_takes_the_kernel_for_batch_invariant_float32_forwards_close_t
         return verify, steps
 
     calls = []
-    real = torch.ops.specdeploy.row_attention
-    monkeypatch.setattr(row_attention, "row_attention", lambda *a: calls.append(1) or real(a[0], a[1], a[2], *a[3], a[4]))
+    real = row_attention.write_and_attend
+    monkeypatch.setattr(row_attention, "write_and_attend", lambda *a: calls.append(1) or real(*a))
     verify, steps = run()
     assert calls and torch.equal(verify, steps)
     monkeypatch.setattr(row_attention, "kernel", lambda: None)

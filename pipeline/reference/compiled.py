@@ -90,8 +90,7 @@ class CompiledLayers:
         captured = []
         for li, layer in enumerate(layers):
             q, k, v = r.rope(layer["qkv"].grid_gemm(xq), s, layer["qkv_bias"], cos, sin)  # [T, H|KVH, D]
-            kv.write(li, plan.slots, k, v)
-            aq, s = r.scale(model._attention(li, q, kv, plan), layer["o_in"])
+            aq, s = r.scale(model._write_and_attend(li, q, k, v, kv, plan), layer["o_in"])
             x, hq, s = r.residual(x, layer["o"].grid_gemm(aq), s, layer["post_norm"], layer["gate_up_in"])
             dq, s_down = r.silu(layer["gate_up"].grid_gemm(hq), s, layer["down_in"])
             y = layer["down"].grid_gemm(dq)

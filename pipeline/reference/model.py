@@ -310,8 +310,7 @@ class LlamaModel(torch.nn.Module):
             qkv = self._linear(h, layer["qkv"])  # [T, (H + 2 KVH) * D]
             qk = self._rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)  # [T, H + KVH, D]
             q, k = qk.split([H, KVH], dim=1)  # [T, H, D], [T, KVH, D]
-            kv.write(li, plan.slots, k, qkv[:, (H + KVH) * D:].view(-1, KVH, D))
-            attn = self._attention(li, q, kv, plan)  # [T, H * D]
+            attn = self._write_and_attend(li, q, k, qkv[:, (H + KVH) * D:].view(-1, KVH, D), kv, plan)  # [T, H * D]
             x = x + self._linear(attn, layer["o"])
             h = self.rms_norm(x, layer["post_norm"])
             gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)  # [T, I] each
@@ -320,10 +319,18 @@ class LlamaModel(torch.nn.Module):
                 captured.append(x)
         return (self.rms_norm(x, self.final_norm) if self.final_norm is not None else x), captured
 
-    def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
-        """Attention of every new token over its sequence's visible keys; q: [T, H, D] -> [T, H * D]."""
+    def _write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
+                          plan: "_AttentionPlan") -> torch.Tensor:
+        """Store the new tokens' k, v [T, KVH, D] in the cache, then attention of every new token over its sequence's
+        visible keys; q: [T, H, D] -> [T, H * D]. On the row attention kernel both are one call."""
         if plan.row_keys is not None:  # every row alone over its own keys: the project's kernel
-            return row_attention.row_attention(q, kv.k[layer], kv.v[layer], plan.row_keys, self.scale)
+            return row_attention.write_and_attend(q, k, v, plan.slots, kv.k[layer], kv.v[layer], plan.row_keys, self.scale)
+        kv.write(layer, plan.slots, k, v)
+        return self._attention(layer, q, kv, plan)
+
+    def _attention(self, layer: int, q: torch.Tensor, kv: KVCache, plan: "_AttentionPlan") -> torch.Tensor:
+        """SDPA attention of every new token over its sequence's visible keys (the cache holds them); q: [T, H, D] ->
+        [T, H * D]."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
         out = q.new_empty(q.shape[0], H * D)
         for rows, batch, keys, mask in plan.groups:  # `rows` of the flat batch as `batch` SDPA batch elements

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -270,7 +271,35 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   return out;
 }
 
+// The new tokens' keys and values k_new, v_new float32 [T, KVH, D] (each row contiguous, rows at any stride) stored
+// at new_slots [T] of one layer's cache k, v, then row_attention: a layer's KV write and attention in one call.
+at::Tensor write_and_attend(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor new_slots, at::Tensor k,
+                            at::Tensor v, at::Tensor slots, at::Tensor starts, at::Tensor lengths, double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes()
+              && k.is_contiguous() && v.is_contiguous(), "write_and_attend: k and v must be contiguous float32 [slots, kv_heads, head_size]");
+  const int64_t T = new_slots.numel(), row = k.size(1) * k.size(2);
+  for (const at::Tensor& x : {k_new, v_new})
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == T && x.size(1) == k.size(1)
+                && x.size(2) == k.size(2) && x.stride(2) == 1 && x.stride(1) == k.size(2),
+                "write_and_attend: k_new and v_new must be float32 [new_slots, kv_heads, head_size], each row contiguous");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1, "write_and_attend: new_slots must be int64 [T]");
+  new_slots = new_slots.contiguous();
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(0), "write_and_attend: slot ", ns[t], " is not in the cache");
+    std::memcpy(kp + ns[t] * row, knp + t * k_new.stride(0), row * sizeof(float));
+    std::memcpy(vp + ns[t] * row, vnp + t * v_new.stride(0), row * sizeof(float));
+  }
+  return row_attention(q, k, v, slots, starts, lengths, scale);
+}
+
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor",
         &row_attention);
+  m.def("write_and_attend(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, Tensor(b!) v, "
+        "Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend);
 }
