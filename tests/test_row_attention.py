@@ -93,7 +93,8 @@ def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention():
     got = row_attention.write_and_attend(q, k_new, v_new, new_slots, k, v, keys, 0.2)
     assert torch.equal(got, want) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
     with pytest.raises(RuntimeError, match="slot 64 is not in the cache"):
-        row_attention.write_and_attend(q, k_new, v_new, torch.tensor([40, 41, 64]), k, v, keys, 0.2)
+        row_attention.write_and_attend(q, k_new * 2, v_new * 2, torch.tensor([40, 41, 64]), k, v, keys, 0.2)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # a bad slot is refused before anything is written
     with pytest.raises(RuntimeError, match="k_new and v_new must be float32"):
         row_attention.write_and_attend(q, k_new.double(), v_new, new_slots, k, v, keys, 0.2)
 

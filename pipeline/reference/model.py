@@ -430,7 +430,7 @@ class _AttentionPlan:
         for seq in seqs:
             n, c = _checked_sizes(seq, block_size)
             blocks = torch.tensor(seq.block_table, dtype=torch.long)
-            all_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()  # [capacity]
+            all_slots = (blocks[:, None] * block_size + _block_offsets(block_size)).flatten()  # [capacity]
             if seq.parents is None:
                 depth = list(range(1, n + 1))
                 ancestors = None

@@ -198,14 +198,18 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
 }  // namespace
 
 
+// One layer's cache k, v: contiguous float32 [slots, KVH, D] of the same shape.
+static void check_cache(const at::Tensor& k, const at::Tensor& v, const char* op) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes()
+              && k.is_contiguous() && v.is_contiguous(), op, ": k and v must be float32 [slots, kv_heads, head_size], contiguous");
+}
+
 // q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
 // slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
 at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                          at::Tensor lengths, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "row_attention: q must be float32 [rows, heads, head_size]");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes(),
-              "row_attention: k and v must be float32 [slots, kv_heads, head_size]");
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "row_attention: k and v must be contiguous");
+  check_cache(k, v, "row_attention");
   TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "row_attention: slots, starts and lengths must be int64");
   q = q.contiguous();
@@ -275,8 +279,7 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
 // at new_slots [T] of one layer's cache k, v, then row_attention: a layer's KV write and attention in one call.
 at::Tensor write_and_attend(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor new_slots, at::Tensor k,
                             at::Tensor v, at::Tensor slots, at::Tensor starts, at::Tensor lengths, double scale) {
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes()
-              && k.is_contiguous() && v.is_contiguous(), "write_and_attend: k and v must be contiguous float32 [slots, kv_heads, head_size]");
+  check_cache(k, v, "write_and_attend");
   const int64_t T = new_slots.numel(), row = k.size(1) * k.size(2);
   for (const at::Tensor& x : {k_new, v_new})
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == T && x.size(1) == k.size(1)
@@ -289,8 +292,9 @@ at::Tensor write_and_attend(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
   float* vp = v.data_ptr<float>();
   const float* knp = k_new.data_ptr<float>();
   const float* vnp = v_new.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
     TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(0), "write_and_attend: slot ", ns[t], " is not in the cache");
+  for (int64_t t = 0; t < T; ++t) {
     std::memcpy(kp + ns[t] * row, knp + t * k_new.stride(0), row * sizeof(float));
     std::memcpy(vp + ns[t] * row, vnp + t * v_new.stride(0), row * sizeof(float));
   }
