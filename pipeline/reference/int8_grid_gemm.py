@@ -21,9 +21,11 @@ from pipeline.reference import cpp_ops
 
 ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
-# Calls of this many rows or more run on AMX tiles (where the CPU has AMX): measured over SmolLM2's layer
-# matrices, AMX / VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24.
-AMX_MIN_ROWS = 4
+# Calls of this many rows or more run on AMX tiles (where the CPU has AMX). Over SmolLM2's layer matrices, AMX /
+# VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24 on a quiet host (2026-12-02 08:03),
+# but 1.21 / 1.15 / 0.99 / 0.73 for 4 / 6 / 8 / 16 rows on one whose memory answered slowly (19:25, AMX with its
+# prefetch): VNNI's loads keep more of the memory's latency hidden. Up to 7 rows VNNI loses at most 7%, AMX up to 21%.
+AMX_MIN_ROWS = 8
 
 
 def cpu_has_vnni() -> bool:
