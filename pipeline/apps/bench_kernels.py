@@ -134,8 +134,8 @@ def int8_project(kernel_cls):
     return build
 
 
-# Int8PerToken on the project's kernel: a row only where that kernel runs here (AVX512-VNNI; elsewhere it is fbgemm's row)
-PROJECT_INT8 = "int8 W8A8 per-token (Int8PerToken, project kernel: VNNI, AMX from 4 rows)"
+# Int8PerToken on the project's kernel: a row only where one runs here (AVX512-VNNI or AVX2; else it is fbgemm's row)
+PROJECT_INT8 = "int8 W8A8 per-token (Int8PerToken, project kernel: VNNI with AMX from 8 rows, or AVX2)"
 KERNELS = {
     "fp32 F.linear": lambda w: (lambda x, w=w: F.linear(x, w)),
     "fp32 F.linear, wide layout": lambda w: (lambda x, w=wide_layout(w): F.linear(x, w)),
@@ -144,9 +144,10 @@ KERNELS = {
     "fp32 DenseLinear (F.linear wide for 1 row, oneDNN packed for 2-16)": DenseLinear,
     "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
     "bf16 oneDNN packed, bf16 output": onednn_bf16_packed,
-    "fp16 weights, fp32 act (Float16Weights, fbgemm)": Float16Weights,
+    "fp16 weights, fp32 act (Float16Weights, fbgemm)": functools.partial(Float16Weights, project_kernel=False),
+    "fp16 weights, fp32 act (Float16Weights, project kernel: AVX2)": Float16Weights,
     "int8 W8A16 bf16 act (Int8WeightOnly)": int8_project(Int8WeightOnly),
-    "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(functools.partial(Int8PerToken, vnni=False)),
+    "int8 W8A8 per-token (Int8PerToken, fbgemm)": int8_project(functools.partial(Int8PerToken, project_kernel=False)),
     PROJECT_INT8: int8_project(Int8PerToken),
     "int8 W8A8 per-token, torch._int_mm": int_mm_per_token,
     "int8 W8A8 per-token, oneDNN qlinear": onednn_int8_per_token,
@@ -212,7 +213,8 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 
 KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
               "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear",
-              "mkldnn::_linear_pointwise", "specdeploy::int8_grid_gemm")
+              "mkldnn::_linear_pointwise", "specdeploy::int8_grid_gemm", "specdeploy::int8_grid_gemm_avx2",
+              "specdeploy::fp16_weight_gemm")
 
 
 def _is_op(key: str) -> bool:

@@ -1,26 +1,28 @@
-"""Int8PerToken's GEMM as the project's own kernel (csrc/int8_grid_gemm.cpp) where the CPU has AVX512-VNNI.
+"""Int8PerToken's GEMM as the project's own kernels: csrc/int8_grid_gemm.cpp where the CPU has AVX512-VNNI,
+csrc/int8_grid_gemm_avx2.cpp where it has AVX2 only (AMD Zen3, for one).
 
-It returns fbgemm's results bit for bit (the same grid rounding, exact int32 sums, the same epilogue;
-tests/test_int8_grid_gemm.py) but reads the weights once per call whatever the row count, so a verify's
-rows cost about what one row does. Over SmolLM2's 120 layer matrices (one thread, cold cache): one row
-9.1-9.8 ms against fbgemm's 13.3-13.9, six rows 10.3 against 22.0, 24 rows 12.7 against 28.5
-(docs/benchmarks.md). Calls of AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX
-(flat up to 16 rows); fewer rows, or CPUs without AMX, on AVX512-VNNI register blocks.
+Both return the same bits: fbgemm's results on a VNNI CPU (the same grid rounding, exact int32 sums, the same
+epilogue; tests/test_int8_grid_gemm.py), and both read the weights once per call whatever the row count, so a
+verify's rows cost about what one row does. On VNNI, over SmolLM2's 120 layer matrices (one thread, cold cache):
+one row 9.1-9.8 ms against fbgemm's 13.3-13.9, six rows 10.3 against 22.0 (docs/benchmarks.md); calls of
+AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX. On AVX2, fbgemm's own path is not even exact
+(its 16-bit pair sums saturate); the project's kernel widens both sides to 16 bits and sums pairs in 32.
 
-The source is compiled once per machine (pipeline.reference.cpp_ops). On CPUs without AVX512-VNNI, or where
-it cannot be built, `kernel()` is None and Int8PerToken stays on fbgemm.
+Each source is compiled once per machine (pipeline.reference.cpp_ops). Where neither can run, or
+REFERENCE_INT8_KERNEL=0, `kernel()` is None and Int8PerToken stays on fbgemm.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from pipeline.reference import cpp_ops
 
-ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where this kernel can run
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"]
+ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where a kernel can run
 # Calls of this many rows or more run on AMX tiles (where the CPU has AMX). Over SmolLM2's layer matrices, AMX /
 # VNNI took 1.04 / 1.05 for 1 / 2 rows, 0.91-0.93 for 4-6, 0.70-0.83 for 8-24 on a quiet host (2026-12-02 08:03),
 # but 1.21 / 1.15 / 0.99 / 0.73 for 4 / 6 / 8 / 16 rows on one whose memory answered slowly (19:25, AMX with its
@@ -28,9 +30,21 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-
 AMX_MIN_ROWS = 8
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI, which the kernel needs (torch's detector)."""
-    return torch.cpu._is_vnni_supported()
+@dataclass(frozen=True)
+class Isa:
+    """One build of the kernel: its source, compiler flags, the CPU check, and its packed weight layout
+    (`group` output channels by `k_align` columns)."""
+
+    source: str
+    flags: tuple[str, ...]
+    cpu_supported: Callable[[], bool]
+    group: int
+    k_align: int
+
+
+VNNI = Isa("int8_grid_gemm", ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
+                              "-mamx-int8"), torch.cpu._is_vnni_supported, group=64, k_align=64)  # whole AMX tiles
+AVX2 = Isa("int8_grid_gemm_avx2", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported, group=8, k_align=4)
 
 
 def switched_on() -> bool:
@@ -40,28 +54,48 @@ def switched_on() -> bool:
 
 @functools.cache
 def amx_min_rows() -> int:
-    """The row count from which calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX, else 0 (never)."""
+    """The row count from which VNNI calls run on AMX tiles: AMX_MIN_ROWS where the CPU has AMX, else 0 (never)."""
     return AMX_MIN_ROWS if torch.cpu._is_amx_tile_supported() else 0
 
 
 @functools.cache
-def kernel():
-    """`torch.ops.specdeploy` with `int8_pack` and `int8_grid_gemm` built and loaded, or None where they
-    cannot run here (no AVX512-VNNI, REFERENCE_INT8_KERNEL=0, or the build failed: logged once)."""
-    return cpp_ops.load("int8_grid_gemm", ENV, cpu_has_vnni, FLAGS, "int8_sq GEMMs run on fbgemm (no AVX512-VNNI)")
+def load(isa: Isa):
+    """`torch.ops.specdeploy` with `isa`'s kernel built and loaded, or None where it cannot run here."""
+    return cpp_ops.load(isa.source, ENV, isa.cpu_supported, list(isa.flags), "int8_sq GEMMs run on fbgemm")
+
+
+def kernel() -> Isa | None:
+    """The kernel Int8PerToken runs here: VNNI where the CPU has it, else AVX2; None where neither runs
+    (REFERENCE_INT8_KERNEL=0, no AVX2, or the build failed: logged once)."""
+    return next((isa for isa in (VNNI, AVX2) if isa.cpu_supported() and load(isa) is not None), None)
+
+
+def pack(q: torch.Tensor, group: int, k_align: int) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N / group), Kp / 4, group, 4] with Kp = K rounded up to k_align, zero-padded: each
+    (group, k quad) one stretch of group x 4 bytes, a group's k quads one after the other."""
+    n, k = q.shape
+    n_pad, k_pad = -(-n // group) * group, -(-k // k_align) * k_align
+    padded = torch.nn.functional.pad(q, (0, k_pad - k, 0, n_pad - n))
+    return padded.view(n_pad // group, group, k_pad // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 class PackedInt8:
-    """One int8 weight [out, in] with per-channel scales, packed for `torch.ops.specdeploy.int8_grid_gemm`."""
+    """One int8 weight [out, in] with per-channel scales, packed for one of the kernels (default: `kernel()`)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int):
-        ext = kernel()
-        self.packed = ext.int8_pack(q.contiguous())  # int8 [ceil(out/64), ceil(in/64) * 16, 64, 4]
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int, isa: Isa | None = None):
+        self.isa = isa or kernel()
+        if self.isa is None or load(self.isa) is None:
+            raise RuntimeError("PackedInt8: no int8 kernel runs on this CPU (Int8PerToken falls back to fbgemm)")
+        self.packed = pack(q, self.isa.group, self.isa.k_align)
         self.offset = (zero_point * q.int().sum(dim=1)).to(torch.int32)  # [out]: zero point x column sums
         self.multiplier = (torch.tensor(step, dtype=torch.float32) * scale.float()).contiguous()  # [out]
-        self.in_features, self.step, self.zero_point, self.amx_min_rows = q.shape[1], step, zero_point, amx_min_rows()
+        self.in_features, self.step, self.zero_point = q.shape[1], step, zero_point
+        self.amx_min_rows = amx_min_rows() if self.isa is VNNI else 0
 
     def __call__(self, x_unit: torch.Tensor) -> torch.Tensor:
         """x_unit [T, in] float32 in [-1, 1] -> [T, out] float32, unscaled by the row scale."""
-        return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier, self.in_features,
-                                                   self.step, self.zero_point, self.amx_min_rows)
+        if self.isa is VNNI:
+            return torch.ops.specdeploy.int8_grid_gemm(x_unit, self.packed, self.offset, self.multiplier,
+                                                       self.in_features, self.step, self.zero_point, self.amx_min_rows)
+        return torch.ops.specdeploy.int8_grid_gemm_avx2(x_unit, self.packed, self.offset, self.multiplier,
+                                                        self.in_features, self.step, self.zero_point)

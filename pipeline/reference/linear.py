@@ -13,11 +13,11 @@ tokens in one call instead of row by row, and speculative output still equals pl
   W8A16 computes them: the input is rounded to bfloat16 and torch's `_weight_int8pack_mm` multiplies
   it by the int8 weight, row by row over the input columns in a fixed order (batch-invariant).
 - Int8PerToken (W8A8, int8_sq): per-token (per-row) dynamic 8-bit activations times int8 weights with
-  int32 accumulation (the project's AVX512-VNNI kernel, else fbgemm: the same bits), then the row scale
+  int32 accumulation (the project's AVX512-VNNI or AVX2 kernel, else fbgemm), then the row scale
   times the channel scale. Integer sums are exact, so a row's result cannot depend on the rest of the batch.
 - Float16Weights (float16 engines' layers; the output layer of 16-bit and quantized engines, as
-  TensorRT-LLM keeps it in 16 bits, on CPUs without AMX): fbgemm's fp16-weight GEMM, fp32 activations
-  and accumulation (batch-invariant, measured).
+  TensorRT-LLM keeps it in 16 bits, on CPUs without AMX): fp16 weights, fp32 activations and accumulation,
+  on the project's AVX2 kernel (batch-invariant by construction), else fbgemm's fp16 GEMM.
 - ScreenedOutputLayer (that output layer on CPUs with AMX): every logit from oneDNN's bf16 GEMM, whose
   cost hardly grows with the rows, and the logits near each row's top recomputed exactly, so that the
   greedy argmax is the exact one. `output_layer_16bit` picks between the two.
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference import int8_grid_gemm
+from pipeline.reference import fp16_weight_gemm, int8_grid_gemm
 from pipeline.reference.int8_grid_gemm import PackedInt8
 
 INT8_MAX = 127.0
@@ -121,19 +121,20 @@ class Int8PerToken:
     the batch. (Before, a pinning row holding -1 and 1 was appended to the dynamic linear's input to
     force that range: the same results bit for bit, two more ops and a second row per call.)
     Measured 2-3x faster than `torch._int_mm` or oneDNN's qlinear on SmolLM2's shapes for 1-8 rows
-    (`make bench-kernels`). On CPUs with AVX512-VNNI the GEMM runs on the project's own kernel
-    (`int8_grid_gemm`): fbgemm's bits, but the weights read once per call whatever the row count, so a
-    verify's rows cost little more than one. On CPUs without AVX512-VNNI fbgemm's u8 x s8 pairs may
-    saturate in 16 bits (deterministic and per row: results stay batch-invariant, precision drops).
+    (`make bench-kernels`). On CPUs with AVX512-VNNI or AVX2 the GEMM runs on the project's own kernel
+    (`int8_grid_gemm`): fbgemm's bits on a VNNI CPU, but the weights read once per call whatever the row
+    count, so a verify's rows cost little more than one. fbgemm itself (REFERENCE_INT8_KERNEL=0, or
+    `project_kernel=False`) is exact only with VNNI: on AVX2 its u8 x s8 pairs saturate in 16 bits
+    (deterministic and per row: results stay batch-invariant, precision drops).
     """
 
     batch_invariant = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 smoother: torch.Tensor | None = None, vnni: bool = True):
-        use_vnni = vnni and int8_grid_gemm.kernel() is not None  # vnni=False: fbgemm even where the kernel runs
-        self.vnni = PackedInt8(q, scale, GRID_STEP, GRID_ZERO_POINT) if use_vnni else None
-        self.packed = None if self.vnni else fbgemm_prepack(q, scale)
+                 smoother: torch.Tensor | None = None, project_kernel: bool = True):
+        use_kernel = project_kernel and int8_grid_gemm.kernel() is not None  # False: fbgemm even where one runs
+        self.kernel = PackedInt8(q, scale, GRID_STEP, GRID_ZERO_POINT) if use_kernel else None
+        self.packed = None if self.kernel else fbgemm_prepack(q, scale)
         self.bias = bias
         self.inv_smoother = None if smoother is None else (1.0 / smoother.float())  # [in]; x / s
         self.weight_nbytes = q.numel() + scale.numel() * 4
@@ -149,10 +150,11 @@ class Int8PerToken:
     def grid_gemm(self, x_unit: torch.Tensor) -> torch.Tensor:
         """The GEMM [T, out] float32 of rows already divided by their row scale (`scale_rows`), unscaled.
 
-        The project's VNNI kernel where it runs (`int8_grid_gemm`), else fbgemm's: the same bits.
+        The project's kernel where one runs (`int8_grid_gemm`), else fbgemm's: the same bits where fbgemm's
+        sums are exact (VNNI).
         """
-        if self.vnni is not None:
-            return self.vnni(x_unit)
+        if self.kernel is not None:
+            return self.kernel(x_unit)
         return _fixed_grid_linear(x_unit, GRID_STEP, GRID_ZERO_POINT, self.packed)
 
     @property
@@ -162,17 +164,27 @@ class Int8PerToken:
 
 
 class Float16Weights:
-    """fp16 weights, fp32 activations and accumulation (fbgemm's prepacked fp16 GEMM), output in x's dtype."""
+    """fp16 weights, fp32 activations and accumulation, output in x's dtype.
 
-    batch_invariant = True
+    On CPUs with AVX2 the project's kernel (`fp16_weight_gemm`): one fma chain per output over the input columns
+    in order, the weights read once per call. Elsewhere (or `project_kernel=False`) fbgemm's prepacked fp16 GEMM,
+    which re-reads the weights per block of rows, and on an AVX2 host (AMD Zen3, torch 2.13) gave a row different
+    bits alone and in a call of 6 rows (docs/benchmarks.md): there only the project's kernel is batch-invariant.
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, project_kernel: bool = True):
+        use_kernel = project_kernel and fp16_weight_gemm.kernel() is not None
+        self.kernel = fp16_weight_gemm.PackedFloat16(weight) if use_kernel else None
+        self.packed = None if self.kernel else torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+        self.batch_invariant = use_kernel  # fbgemm: the model runs such a layer one row at a time in exact mode
         self.bias = bias
         self.weight_nbytes = weight.numel() * 2  # fp16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+        if self.kernel is not None:
+            y = self.kernel(x.float()).to(x.dtype)
+        else:
+            y = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     @property

@@ -22,7 +22,6 @@ namespace {
 constexpr int64_t GROUP = 64;   // output channels per group: 4 zmm accumulators of 16 int32
 constexpr int BLOCKS = 4;       // GROUP / 16
 constexpr int MAX_ROWS = 6;     // rows per register block: 6 x 4 accumulators + 4 weight registers
-constexpr int64_t K_ALIGN = 64; // packed columns: whole AMX tiles (64 bytes of a row)
 constexpr int64_t AMX_ROWS = 16;  // rows per AMX block
 // The AMX loop prefetches the weights this many 4 KB k-chunks ahead (8 KB, as the VNNI loop does): without it,
 // on a host whose memory answered slowly (2026-12-02 19:20), SmolLM2's 120 layer matrices took 26 ms on AMX
@@ -144,17 +143,8 @@ void amx_configure(int64_t R) {
 
 }  // namespace
 
-// int8 [N, K] -> [ceil(N / 64), ceil(K / 64) * 16, 64, 4]: each (group, k quad) one 256-byte stretch, zero-padded.
-at::Tensor pack(at::Tensor q) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2, "pack: q must be int8 [out, in]");
-  const int64_t N = q.size(0), K = q.size(1);
-  const int64_t Np = (N + GROUP - 1) / GROUP * GROUP, Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN;
-  auto padded = at::zeros({Np, Kp}, q.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
-  return padded.view({Np / GROUP, GROUP, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-}
-
-// x_unit float32 [M, K] -> float32 [M, N]; offset = zero_point * column sums (int32 [N]),
+// x_unit float32 [M, K] -> float32 [M, N]; packed = int8 [ceil(N / 64), ceil(K / 64) * 16, 64, 4] (int8_grid_gemm.pack);
+// offset = zero_point * column sums (int32 [N]),
 // multiplier = float(step * channel scale) ([N]).
 at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
                         int64_t in_features, double step, int64_t zero_point, int64_t amx_min_rows) {
@@ -202,8 +192,7 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
   return out;
 }
 
-TORCH_LIBRARY(specdeploy, m) {
-  m.def("int8_pack(Tensor q) -> Tensor", &pack);
+TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point, int amx_min_rows) -> Tensor",
         &grid_gemm);
 }

@@ -1,0 +1,126 @@
+// Int8PerToken's GEMM on AVX2 (CPUs without AVX512-VNNI, such as AMD Zen3): x_unit [M, K] float32 in [-1, 1]
+// rounded on the fixed uint8 grid, times int8 per-channel weights with exact int32 sums, times
+// (grid step * channel scale).
+//
+// The same bits as the AVX512-VNNI kernel (int8_grid_gemm.cpp) and as fbgemm on a VNNI CPU: the same rounding,
+// exact sums, the same epilogue. fbgemm's own AVX2 path is not exact: it multiplies uint8 x int8 pairs with
+// vpmaddubsw, whose 16-bit pair sums saturate (a grid value of 254 times two weights of 127 is 64516); here both
+// sides are widened to 16 bits first and multiplied with vpmaddwd, whose pair sums land in 32 bits exactly.
+// The weights are read once per call whatever the row count: each 8-channel group's weights (K * 8 bytes, in L1
+// after the first block of rows) are widened in registers and applied to up to 6 rows at once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t GROUP = 8;    // output channels per packed group: [K4, 8, 4] int8, 32 bytes per k quad
+constexpr int MAX_ROWS = 6;     // rows per register block: 6 x 2 accumulators + 2 weight registers + 2 temporaries
+// Software prefetch this many bytes of the group's weights ahead (the hardware prefetchers see one sequential
+// stream per group; measured in docs/benchmarks.md)
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+// R rows of 16-bit grid values [R, Kp] times one group's weights [K4, 8, 4] -> out[r, n0 .. n0 + 8).
+// acc[r][h] holds pair sums: lanes (channel 4h + c, k pair 0/1 of the quad) for c = 0..3, in two 128-bit halves
+// (channels 4h, 4h + 1 | 4h + 2, 4h + 3); hadd then a 64-bit permute put the 8 channels' sums in order.
+template <int R>
+void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* offset, const float* multiplier,
+                float* out, int64_t N, int64_t n0) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int64_t K4 = Kp / 4;
+  for (int64_t k4 = 0; k4 < K4; ++k4) {
+    const int8_t* wk = w + k4 * GROUP * 4;
+    if ((k4 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16)));
+    for (int r = 0; r < R; ++r) {
+      // the row's 4 grid values of this quad, repeated for the 4 channels of a half
+      const __m256i a = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(xs + r * Kp + k4 * 4));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, a));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, a));
+    }
+  }
+  const int64_t valid = std::min<int64_t>(GROUP, N - n0);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(valid)), lanes);
+  const __m256i off = _mm256_maskload_epi32(offset + n0, mask);
+  const __m256 mul = _mm256_maskload_ps(multiplier + n0, mask);
+  for (int r = 0; r < R; ++r) {
+    // hadd: (c0, c1, c4, c5 | c2, c3, c6, c7); the permute puts the 64-bit pairs in channel order
+    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
+    // fbgemm's epilogue: float(sum - zero point * column sum) * float(step * scale)
+    const __m256 result = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, off)), mul);
+    _mm256_maskstore_ps(out + r * N + n0, mask, result);
+  }
+}
+
+// x [M, K] -> int16 [M, Kp] grid values as fbgemm rounds its input: fma(x, 1 / step, zero point) with one
+// rounding, clamped to [0, 255], then to the nearest integer (ties to even). Padding columns hold the zero
+// point (their weights are 0).
+void round_on_grid(const float* x, int64_t M, int64_t K, int64_t Kp, float step, int32_t zero_point, int16_t* q) {
+  const __m256 inv = _mm256_set1_ps(1.0f / step), zp = _mm256_set1_ps(float(zero_point));
+  const __m256 lo = _mm256_set1_ps(0.0f), hi = _mm256_set1_ps(255.0f);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) int32_t rounded[8];
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int16_t* qr = q + m * Kp;
+    for (int64_t k = 0; k < K; k += 8) {
+      const int64_t n = std::min<int64_t>(8, K - k);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(n)), lanes);
+      const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(_mm256_maskload_ps(xr + k, mask), inv, zp), lo), hi);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rounded), _mm256_cvtps_epi32(v));  // rounds to nearest even
+      for (int64_t j = 0; j < n; ++j) qr[k + j] = int16_t(rounded[j]);
+    }
+    std::fill(qr + K, qr + Kp, int16_t(zero_point));
+  }
+}
+
+}  // namespace
+
+// x_unit float32 [M, K] -> float32 [M, N]; packed = int8 [ceil(N / 8), ceil(K / 4), 8, 4] (int8_grid_gemm.pack);
+// offset = zero_point * column sums (int32 [N]), multiplier = float(step * channel scale) ([N]).
+at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
+                          int64_t in_features, double step, int64_t zero_point) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4, "grid_gemm: packed for groups of ",
+              packed.size(2), " channels, this kernel takes ", GROUP);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0);
+  const int64_t G = packed.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(K == in_features && Kp >= K && G * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ", in_features);
+  auto xs = at::empty({M, Kp}, x.options().dtype(at::kShort));
+  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xs.data_ptr<int16_t>());
+  auto out = at::empty({M, N}, x.options());
+  const int16_t* qp = xs.data_ptr<int16_t>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* off = offset.data_ptr<int32_t>();
+  const float* mul = multiplier.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* w = wp + g * Kp * GROUP;
+      for (int64_t m = 0; m < M; m += MAX_ROWS) {
+        const int16_t* xr = qp + m * Kp;
+        float* orow = op + m * N;
+        switch (std::min<int64_t>(MAX_ROWS, M - m)) {
+          case 1: group_rows<1>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+          case 2: group_rows<2>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+          case 3: group_rows<3>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+          case 4: group_rows<4>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+          case 5: group_rows<5>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+          default: group_rows<6>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
+  m.def("int8_grid_gemm_avx2(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point) -> Tensor",
+        &grid_gemm_avx2);
+}
