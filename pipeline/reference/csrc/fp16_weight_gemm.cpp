@@ -22,25 +22,35 @@ constexpr int64_t PREFETCH = 64; // k ahead (1 KB of each group's stream)
 // R rows times C consecutive groups (C x 8 channels starting at group g): out[r, 8g .. 8(g + C)).
 template <int R, int C>
 void block(const float* x, int64_t K, const uint16_t* w, float* out, int64_t N, int64_t g) {
+  // every loop over r and c fully unrolled: an accumulator indexed at run time would live in memory (measured: a
+  // store per fma)
   __m256 acc[R][C];
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const uint16_t* wg = w + g * K * GROUP;
   for (int64_t k = 0; k < K; ++k) {
     if ((k & 3) == 0)
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + (c * K + k + PREFETCH) * GROUP), _MM_HINT_T0);
     __m256 wv[C];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
       wv[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (c * K + k) * GROUP)));
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(a, wv[c], acc[r][c]);
     }
   }
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     const int64_t n0 = (g + c) * GROUP;
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(std::min<int64_t>(GROUP, N - n0))), lanes);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) _mm256_maskstore_ps(out + r * N + n0, mask, acc[r][c]);
   }
 }
