@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pipeline.serving.errors import RequestError
-from pipeline.serving.params import BlsSettings, parse_text_request
+from pipeline.serving.params import BlsSettings, format_draft_token_costs, parse_draft_token_costs, parse_text_request
 from pipeline.serving.text import (IncrementalDetokenizer, from_word_list_format, load_tokenizer, postprocess,
                                    preprocess, to_word_list_format)
 
@@ -78,3 +78,13 @@ def test_text_request_validation(tokenizer):
             parse_text_request({**good, **change}, settings, tokenizer)
     with pytest.raises(RequestError, match="exceed max_seq_len 96"):
         parse_text_request({**good, "max_tokens": np.array([[95]], dtype=np.int32)}, settings, tokenizer)
+
+
+def test_draft_token_cost_parameter_holds_costs_per_batch_size():
+    costs = ((1, 0.17), (2, 0.21), (4, 0.43))
+    assert parse_draft_token_costs(format_draft_token_costs(costs)) == costs
+    assert format_draft_token_costs(()) == "0" and parse_draft_token_costs("0") == () == parse_draft_token_costs("")
+    assert parse_draft_token_costs("0.3") == ((1, 0.3),)  # one number: the cost at batch 1
+    assert BlsSettings.from_parameters({"tokenizer_dir": "", "draft_token_cost": "1:0.17 4:0.43"}).draft_token_cost == 0.17
+    with pytest.raises(ValueError, match="draft_token_cost '1:x': give 'batch:cost' pairs"):
+        parse_draft_token_costs("1:x")

@@ -245,60 +245,82 @@ def test_bls_gets_the_draft_token_cost_measured_on_the_built_engines(tiny_spec_e
     """The BLS's switch-off bar: the break-even measured on the reference engines at the spec's K goes into
     tensorrt_llm_bls's config (and BlsSettings reads it); 0 when min_acceptance_rate 0 turns the switch-off
     off, and for engines built on a GPU host (not timed here)."""
-    from pipeline.repo.assemble import measured_draft_token_cost
+    from pipeline.repo.assemble import measured_draft_token_costs
     from pipeline.serving.params import BlsSettings
 
     spec = tiny_spec_engines.spec
     spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=floor))
     plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
-    cost = measured_draft_token_cost(plan, target, draft)
-    assert (cost > 0) is measured  # the tiny draft has a quarter of the target's layers: its tokens cost
-    bls = {m.name: m for m in repo_models(plan, target, draft, cost)}["tensorrt_llm_bls"]
+    costs = measured_draft_token_costs(plan, target, draft)
+    # the BLS drafts one request's rounds: batch 1 only; the tiny draft has a quarter of the target's layers
+    assert [b for b, _ in costs] == ([1] if measured else []) and all(c > 0 for _, c in costs)
+    bls = {m.name: m for m in repo_models(plan, target, draft, costs)}["tensorrt_llm_bls"]
     settings = BlsSettings.from_parameters(bls.parameters)
+    cost = costs[0][1] if costs else 0.0
     assert settings.draft_token_cost == cost
     assert settings.switch_off_below == (max(floor, cost) if floor else 0.0)
 
 
 def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
     """A second assembly of the same engines reuses the measured cost (kept in the output dir by engine pair and K)."""
-    from pipeline.repo.assemble import measured_draft_token_cost
+    from pipeline.repo.assemble import measured_draft_token_costs
 
     spec = tiny_spec_engines.spec
     spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
     plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
-    first = measured_draft_token_cost(plan, target, draft)
+    first = measured_draft_token_costs(plan, target, draft)
     memo_path = spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text())
-    (key,) = [k for k in memo if f"K={spec.speculative.num_draft_tokens} on " in k]
-    memo[key] = first + 1.0  # what the file says is what the next assembly uses: nothing is measured again
+    (key,) = [k for k in memo if f"K={spec.speculative.num_draft_tokens} batches=1 on " in k]
+    memo[key] = [[1, first[0][1] + 1.0]]  # what the file says is what the next assembly uses: nothing is measured again
     memo_path.write_text(json.dumps(memo))
     try:
-        assert measured_draft_token_cost(plan, target, draft) == first + 1.0
+        assert measured_draft_token_costs(plan, target, draft) == ((1, first[0][1] + 1.0),)
     finally:
         memo[key] = first
         memo_path.write_text(json.dumps(memo))
 
 
-@pytest.mark.parametrize("switch", ["int8_grid_gemm", "row_attention"])
+@pytest.mark.parametrize("switch", ["int8_grid_gemm", "fp16_weight_gemm", "row_attention"])
 def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch):
     """The memo's key names the CPU and the kernel switches: a cost timed on other kernels is not reused."""
     import importlib
-    from pipeline.repo.assemble import measured_draft_token_cost
+    from pipeline.repo.assemble import measured_draft_token_costs
 
     spec = tiny_spec_engines.spec
     spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
     plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
-    measured_draft_token_cost(plan, target, draft)
+    measured_draft_token_costs(plan, target, draft)
     memo_path = spec.out_dir / "draft_token_cost.json"
     before = set(json.loads(memo_path.read_text()))
     env = importlib.import_module(f"pipeline.reference.{switch}").ENV
     monkeypatch.setenv(env, "0")
-    measured_draft_token_cost(plan, target, draft)
+    measured_draft_token_costs(plan, target, draft)
     (added,) = set(json.loads(memo_path.read_text())) - before
     assert f"{env}=0" in added
+
+
+def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
+    """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
+    batch size up to max_batch_for_speculation, and the engine's policy reads the curve from its config."""
+    from pipeline.repo.assemble import measured_draft_token_costs
+    from pipeline.serving.reference_adapter import lookup_proposer
+    from pipeline.spec import NgramSpec
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, models=dataclasses.replace(spec.models, draft=None), speculative=dataclasses.replace(
+        spec.speculative, mode="ngram", ngram=NgramSpec(1, 3, 0.0), num_draft_tokens=3, max_batch_for_speculation=4,
+        min_acceptance_rate=0.1))
+    plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
+    target, _ = engine_infos(plan)
+    costs = measured_draft_token_costs(plan, target, None)
+    assert [b for b, _ in costs] == [1, 2, 4] and all(c >= 0 for _, c in costs)
+    engine = {m.name: m for m in repo_models(plan, target, None, costs)}["tensorrt_llm"]
+    assert engine.parameters["draft_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs)
+    assert lookup_proposer(engine.parameters, target.max_draft_len).config.draft_token_costs == costs
 
 
 @pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
@@ -318,7 +340,7 @@ def test_prompt_lookup_runs_in_the_reference_engine_and_in_the_trtllm_bls(tiny_s
     plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
     assert draft is None
-    models = {m.name: m for m in repo_models(plan, target, None, draft_token_cost=0.25)}
+    models = {m.name: m for m in repo_models(plan, target, None, draft_token_costs=((1, 0.25), (4, 1.2)))}
     validate_repo(write_repo(list(models.values()), tmp_path / "model_repo"), spec, target, None)
     engine, settings = models["tensorrt_llm"], BlsSettings.from_parameters(models["tensorrt_llm_bls"].parameters)
     if toolchain == "reference":
@@ -328,8 +350,9 @@ def test_prompt_lookup_runs_in_the_reference_engine_and_in_the_trtllm_bls(tiny_s
         assert (proposer.inner.min_ngram, proposer.inner.max_ngram, proposer.inner.min_token_prob) == (1, 3, 0.4)
         assert proposer.config == PolicyConfig(num_draft_tokens=3, max_draft_tokens=target.max_draft_len, adaptive=True,
                                                min_acceptance_rate=spec.speculative.min_acceptance_rate,
-                                               draft_token_costs=((1, 0.25),), max_batch_for_speculation=4,
+                                               draft_token_costs=((1, 0.25), (4, 1.2)), max_batch_for_speculation=4,
                                                min_new_tokens_for_speculation=0)
+        assert settings.draft_token_cost == 0.25  # the BLS's own rounds: the cost at batch 1
     else:
         assert "num_draft_tokens" not in {t.name for t in engine.inputs}
         assert "speculative_mode" not in engine.parameters and not settings.engine_lookup

@@ -20,6 +20,11 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 GROUP = 8  # channels per packed group (one ymm of float32)
 
 
+def switched_on() -> bool:
+    """Whether the environment allows the kernel (REFERENCE_FP16_KERNEL is not "0")."""
+    return cpp_ops.switched_on(ENV)
+
+
 @functools.cache
 def kernel():
     """`torch.ops.specdeploy` with `fp16_weight_gemm` built and loaded, or None where it cannot run here (no AVX2,

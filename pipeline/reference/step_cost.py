@@ -54,12 +54,15 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch
     return max((verify + drafting - step) / (k * step), 0.0)
 
 
-def engine_draft_token_cost(target_dir: str | Path, draft_dir: str | Path | None, k: int) -> float:
-    """draft_token_cost at batch 1 of built engines (their qformats and kernels), rounded to 0.01: what the BLS's
-    switch-off uses (tensorrt_llm_bls parameter draft_token_cost, written when the repository is assembled).
+def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, k: int,
+                             batches: tuple[int, ...] = (1,)) -> tuple[tuple[int, float], ...]:
+    """((batch, draft_token_cost), ...) of built engines (their qformats and kernels) at each running batch size,
+    rounded to 0.01: the switch-off's break-even and the batch gate (draft_token_cost parameter, written when the
+    repository is assembled). A draft token's cost grows with the batch where the verify's rows are compute-bound
+    (the AVX2 int8 GEMM: docs/benchmarks.md), so the engine's policy needs it per batch size.
 
-    draft_dir None: prompt lookup. Takes a few seconds for SmolLM2-sized engines (both are loaded here).
+    draft_dir None: prompt lookup. Takes a few seconds per batch size for SmolLM2-sized engines.
     """
     target = LlamaModel.from_engine_dir(target_dir)
     draft = LlamaModel.from_engine_dir(draft_dir) if draft_dir is not None else None
-    return round(draft_token_cost(target, draft, k), 2)
+    return tuple((batch, round(draft_token_cost(target, draft, k, batch=batch), 2)) for batch in batches)

@@ -24,6 +24,7 @@ from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, ModelConfigSpec
 from pipeline.repo.interface import ENGINE_LOOKUP_INPUTS, interface
+from pipeline.serving.params import format_draft_token_costs
 from pipeline.spec import NgramSpec, Spec, SpecError
 from pipeline.toolchains import lookup_in_engine, toolchain_traits
 from specbuild.plan import Plan, engine_limits
@@ -76,18 +77,19 @@ def _ngram_params(ngram) -> dict[str, str]:
             "ngram_min_token_prob": str(ngram.min_token_prob)}
 
 
-def _policy_params(s, draft_token_cost: float) -> dict[str, str]:
+def _policy_params(s, draft_token_costs: tuple[tuple[int, float], ...]) -> dict[str, str]:
     """The speculation policy's settings (a `pipeline.spec.SpeculativeSpec`) for whichever model applies it."""
     return {"num_draft_tokens": str(s.num_draft_tokens), "min_acceptance_rate": str(s.min_acceptance_rate),
-            "draft_token_cost": str(draft_token_cost), "max_batch_for_speculation": str(s.max_batch_for_speculation)}
+            "draft_token_cost": format_draft_token_costs(draft_token_costs),
+            "max_batch_for_speculation": str(s.max_batch_for_speculation)}
 
 
 def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float,
-                 draft_token_cost: float = 0.0) -> ModelConfigSpec:
+                 draft_token_costs: tuple[tuple[int, float], ...] = ()) -> ModelConfigSpec:
     """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python).
 
-    draft_token_cost: the break-even acceptance measured on the engines (`measured_draft_token_cost`), for the
-    switch-off of a target engine that runs prompt lookup itself.
+    draft_token_costs: the break-even acceptance per running batch size measured on the engines
+    (`measured_draft_token_costs`), for the switch-off and batch gate of a target engine that runs prompt lookup.
     """
     s = spec.speculative
     params = {
@@ -109,7 +111,7 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
             params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
     engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
     if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
-        params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, draft_token_cost))
+        params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, draft_token_costs))
     if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
@@ -141,10 +143,10 @@ def text_model(spec: Spec, name: str, tokenizer_dir: Path) -> ModelConfigSpec:
 
 
 def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInfo, has_draft: bool,
-              draft_token_cost: float = 0.0) -> ModelConfigSpec:
+              draft_token_costs: tuple[tuple[int, float], ...] = ()) -> ModelConfigSpec:
     """tensorrt_llm_bls: the concurrent speculative orchestrator (streaming when serving.decoupled).
 
-    draft_token_cost: the break-even acceptance measured on the engines (`measured_draft_token_cost`).
+    draft_token_costs: the break-even acceptance measured on the engines (`measured_draft_token_costs`).
     """
     s = spec.speculative
     params = {
@@ -164,7 +166,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
-        **_policy_params(s, draft_token_cost),
+        **_policy_params(s, draft_token_costs),
     }
     if lookup_in_engine(s.mode, toolchain):  # the target drafts: the BLS streams and forwards each request's K
         params["engine_lookup"] = "true"
@@ -205,48 +207,58 @@ def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
     return target, draft
 
 
-def measured_draft_token_cost(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> float:
-    """What one draft token costs a BLS round on the engines built here, as a fraction of a plain step (the
-    BLS switch-off's break-even, pipeline.reference.step_cost) at the spec's K; 0 where the BLS makes no
-    drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines
-    are built elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
+# the running batch sizes a draft token's cost is measured at, where the engine applies the policy (up to the spec's
+# max_batch_for_speculation; the BLS's rounds are one request's: batch 1 only)
+COST_BATCHES = (1, 2, 4, 8)
+
+
+def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> tuple[tuple[int, float], ...]:
+    """What one draft token costs a speculative step on the engines built here, as a fraction of a plain step, per
+    running batch size (the switch-off's break-even, pipeline.reference.step_cost) at the spec's K: batch 1 for the
+    BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself. () where
+    the BLS makes no drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the
+    engines are built elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time
+    them).
 
     Measured here rather than at every model load: it costs seconds, a loaded server would time it
-    against its own start-up, and the number stays visible in config.pbtxt. Kept in
-    `<output dir>/draft_token_cost.json` by engine pair, K, CPU and kernel switches (the engine links
-    resolve to their cached builds), so the next assembly of the same engines on the same machine reuses it.
+    against its own start-up, and the numbers stay visible in config.pbtxt. Kept in
+    `<output dir>/draft_token_cost.json` by engine pair, K, batch sizes, CPU and kernel switches (the engine links
+    resolve to their cached builds), so the next assembly of the same engines on the same machine reuses them.
     """
     s = plan.spec.speculative
     if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
             and toolchain_traits(plan.toolchain).engines_built_here):
-        return 0.0
+        return ()
     from pipeline.apps.host import cpu_summary
-    from pipeline.reference import int8_grid_gemm, row_attention
-    from pipeline.reference.step_cost import engine_draft_token_cost
+    from pipeline.reference import fp16_weight_gemm, int8_grid_gemm, row_attention
+    from pipeline.reference.step_cost import engine_draft_token_costs
 
+    batches = ((1,) if not lookup_in_engine(s.mode, plan.toolchain)
+               else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1)))
+    switches = " ".join(f"{m.ENV}={int(m.switched_on())}" for m in (int8_grid_gemm, fp16_weight_gemm, row_attention))
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
-           f"on {cpu_summary()}; {int8_grid_gemm.ENV}={int(int8_grid_gemm.switched_on())} "
-           f"{row_attention.ENV}={int(row_attention.switched_on())}")
+           f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:
-        memo[key] = engine_draft_token_cost(target.path, draft.path if draft is not None else None, s.num_draft_tokens)
+        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None,
+                                             s.num_draft_tokens, batches)
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
-    return memo[key]
+    return tuple((int(batch), float(cost)) for batch, cost in memo[key])
 
 
 def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,
-                draft_token_cost: float = 0.0) -> list[ModelConfigSpec]:
-    """Every model config of the repository (draft_token_cost: see `measured_draft_token_cost`)."""
+                draft_token_costs: tuple[tuple[int, float], ...] = ()) -> list[ModelConfigSpec]:
+    """Every model config of the repository (draft_token_costs: see `measured_draft_token_costs`)."""
     spec, toolchain = plan.spec, plan.toolchain
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
     kv = kv_fractions(plan)
     models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
-              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"], draft_token_cost)]
+              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"], draft_token_costs)]
     if draft is not None:
         models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
-    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, draft_token_cost)
+    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, draft_token_costs)
     models += [bls, ensemble_model(bls)]
     return models
 
@@ -284,7 +296,7 @@ def assemble(plan: Plan) -> Path:
         dirs = toolchain_module(plan.toolchain).model_dirs(plan)
         return write_llmapi_repo(llm_args(plan.spec, dirs, kv_fractions(plan)["target"]), repo_dir(plan.spec, plan.toolchain))
     target, draft = engine_infos(plan)
-    cost = measured_draft_token_cost(plan, target, draft)
-    dest = write_repo(repo_models(plan, target, draft, cost), repo_dir(plan.spec, plan.toolchain))
+    costs = measured_draft_token_costs(plan, target, draft)
+    dest = write_repo(repo_models(plan, target, draft, costs), repo_dir(plan.spec, plan.toolchain))
     validate_repo(dest, plan.spec, target, draft)
     return dest

@@ -130,7 +130,9 @@ class BlsSettings:
     min_new_tokens_for_speculation: int = 0
     min_acceptance_rate: float = 0.0
     # break-even acceptance: what one draft token costs a round, as a fraction of a plain step, measured on the
-    # engines when the repository is assembled (pipeline.reference.step_cost); 0 = free (not measured, a GPU)
+    # engines when the repository is assembled (pipeline.reference.step_cost); 0 = free (not measured, a GPU).
+    # The parameter may hold costs per running batch size (`parse_draft_token_costs`); a BLS round is one
+    # request's, so the BLS takes the cost at batch 1.
     draft_token_cost: float = 0.0
     max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
@@ -151,7 +153,9 @@ class BlsSettings:
             if key not in params:
                 continue
             raw = params[key]
-            if f.type in ("int",):
+            if f.name == "draft_token_cost":
+                kwargs[f.name] = dict(parse_draft_token_costs(raw)).get(1, 0.0)
+            elif f.type in ("int",):
                 kwargs[f.name] = int(raw)
             elif f.type in ("float",):
                 kwargs[f.name] = float(raw)
@@ -160,6 +164,25 @@ class BlsSettings:
             else:
                 kwargs[f.name] = raw
         return cls(**kwargs)
+
+
+def format_draft_token_costs(costs: tuple[tuple[int, float], ...]) -> str:
+    """The draft_token_cost parameter: "batch:cost" pairs, e.g. "1:0.17 4:0.43"; "0" when nothing was measured."""
+    return " ".join(f"{batch}:{cost}" for batch, cost in costs) or "0"
+
+
+def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
+    """((batch, cost), ...) from the draft_token_cost parameter: "batch:cost" pairs, or one number (the cost at
+    batch 1; 0 or empty: free, ())."""
+    text = text.strip()
+    try:
+        if ":" not in text:
+            return ((1, float(text)),) if text and float(text) > 0 else ()
+        pairs = [pair.split(":") for pair in text.split()]
+        return tuple((int(batch), float(cost)) for batch, cost in pairs)
+    except ValueError:
+        raise ValueError(f"parameter draft_token_cost {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
+                         "or one cost for batch 1") from None
 
 
 @dataclass(frozen=True)

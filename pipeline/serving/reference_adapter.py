@@ -28,7 +28,7 @@ from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
 from pipeline.serving.errors import RequestError
-from pipeline.serving.params import ENGINE_SAMPLING_NAMES, read_sampling, scalar
+from pipeline.serving.params import ENGINE_SAMPLING_NAMES, parse_draft_token_costs, read_sampling, scalar
 from pipeline.serving.text import from_word_list_format
 
 # Inputs of the tensorrtllm backend the reference engine does not implement: sending one is an error.
@@ -229,19 +229,19 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
     """Prompt lookup inside the engine (the tensorrt_llm parameters of pipeline.repo.assemble.engine_model where
     toolchains.lookup_in_engine), under the BLS's rules: drafts cut at ngram_min_token_prob, a draft length
     that adapts per request up to the request's num_draft_tokens, the switch-off bar (min_acceptance_rate, or
-    the measured draft_token_cost when higher) and the batch gate (max_batch_for_speculation running requests).
+    the measured draft_token_cost at the running batch size when higher) and the batch gate
+    (max_batch_for_speculation running requests, or a batch size where a draft token costs a whole step).
     Short requests are the BLS's call (it sends num_draft_tokens 0), so the engine applies no length floor."""
     if max_draft_len < 1:
         raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; "
                          "rebuild it (make engines)")
     ngram = NgramProposer(int(parameters.get("ngram_min", 1)), int(parameters.get("ngram_max", 3)),
                           float(parameters.get("ngram_min_token_prob", 0.0)))
-    cost = float(parameters.get("draft_token_cost") or 0.0)
     return PolicyProposer(ngram, PolicyConfig(
         num_draft_tokens=min(int(parameters.get("num_draft_tokens", max_draft_len)), max_draft_len),
         max_draft_tokens=max_draft_len, adaptive=True,
         min_acceptance_rate=float(parameters.get("min_acceptance_rate", 0.0)),
-        draft_token_costs=((1, cost),) if cost else (),
+        draft_token_costs=parse_draft_token_costs(parameters.get("draft_token_cost") or ""),
         max_batch_for_speculation=int(parameters.get("max_batch_for_speculation", 1 << 30)),
         min_new_tokens_for_speculation=0))
 
