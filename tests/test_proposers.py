@@ -247,6 +247,34 @@ def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
     assert ask(alone, n=1) == [4]
 
 
+def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
+    """At 4 in flight the bar is high (a draft token costs 0.8 of a step); the requests stop after one step of
+    evidence. When one finishes and a new one joins, the finished one's evidence fills the newcomer's share of
+    the window, so the batch stays off (it used to start again with every newcomer). The finished evidence
+    fades: after some plain steps new requests are tried again."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=2, draft_token_costs=((1, 0.2), (4, 0.8)))
+    policy = PolicyProposer(FixedProposer(), config)
+
+    def step(ids):
+        return [len(d.token_ids) for d in policy.propose([ProposalInput(i, [1, 2, 3], 8) for i in ids])]
+
+    assert step(["a", "b", "c", "d"]) == [4] * 4
+    for i in "abcd":
+        policy.update(i, 1, 4)  # 25 %: pays at batch 1, not at 4
+    assert step(["a", "b", "c", "d"]) == [0] * 4
+    policy.release("a")
+    assert step(["b", "c", "d", "e"]) == [0] * 4  # e has no evidence of its own: a's fills it in
+    policy.release("b")
+    assert step(["c", "d", "e", "f"]) == [0] * 4
+    policy.release("c")
+    policy.release("d")
+    assert step(["e", "f", "g", "h"]) == [0] * 4  # none of the four has evidence of its own
+    steps = 1
+    while step(["e", "f", "g", "h"]) == [0] * 4:  # nothing new is proposed: only the fading changes the pool
+        steps += 1
+    assert steps > 50 and policy.past_proposed < config.window * config.num_draft_tokens  # tried again
+
+
 def test_policy_batch_gate_from_the_measured_cost():
     """A batch size at which one draft token costs a whole step (break-even >= 1) never speculates."""
     policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.3), (8, 1.2))))

@@ -16,6 +16,11 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   evidence is the running requests' pooled acceptance, and nothing is decided before they have
   `window * num_draft_tokens` draft tokens between them (at batch 1: the request's own, after about
   `window` steps). With 8 in flight a useless draft stops after one step instead of `window`.
+  Where the running requests have fewer draft tokens than that, finished requests' evidence fills the
+  rest (fading by PAST_EVIDENCE_DECAY every step): without it, every request that left and every new
+  one that joined dropped the pool below the window and switched a losing batch back on (served chat
+  at concurrency 4 drafted 3.3 tokens a step at 22 % acceptance, with one draft token costing 0.79 of
+  a step at that batch size: 0.79x; docs/benchmarks.md). The fading lets new traffic be tried again.
   Deciding per request measured worse with 8 in flight (0.75-0.93x where the pooled decision gave
   0.92-1.01x, docs/benchmarks.md): requests left speculating alone pay for draft forwards nobody
   shares, and finish long before the others, who then run on at a smaller, less efficient batch.
@@ -38,6 +43,10 @@ from dataclasses import dataclass, replace
 
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.sequences import next_draft_len
+
+# Finished requests' pooled evidence is multiplied by this every step (half-life about 70 steps, 1-2 s at
+# SmolLM2's CPU step times), so what it says about the traffic fades and new requests get tried again.
+PAST_EVIDENCE_DECAY = 0.99
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class PolicyProposer:
         self.capture_layers = getattr(inner, "capture_layers", None)
         self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
+        self.past_accepted = self.past_proposed = 0.0  # finished requests' evidence, fading (see `pays`)
 
     def _state(self, request_id: str) -> _RequestPolicy:
         """What the policy remembers about this request (a new request starts at K)."""
@@ -125,13 +135,21 @@ class PolicyProposer:
         bar = cfg.switch_off_below(batch_size)
         if bar >= 1:
             return False  # a draft token costs a whole step: no acceptance pays
-        # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence
+        # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence;
+        # finished requests' evidence fills what the running ones lack of the window
+        window = cfg.window * cfg.num_draft_tokens
         proposed = sum(r.proposed for r in self.requests.values())
-        return proposed < cfg.window * cfg.num_draft_tokens or sum(r.accepted for r in self.requests.values()) >= bar * proposed
+        accepted = sum(r.accepted for r in self.requests.values())
+        if proposed < window and self.past_proposed > 0:
+            share = min(1.0, (window - proposed) / self.past_proposed)
+            proposed, accepted = proposed + share * self.past_proposed, accepted + share * self.past_accepted
+        return proposed < window - 1e-9 or accepted >= bar * proposed
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
+        self.past_accepted *= PAST_EVIDENCE_DECAY
+        self.past_proposed *= PAST_EVIDENCE_DECAY
         for inp in inputs:
             self._state(inp.request_id)
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(self.requests))) for inp in inputs]
@@ -151,6 +169,9 @@ class PolicyProposer:
         state.proposed += num_proposed
 
     def release(self, request_id: str) -> None:
-        """Forget the request here and in the wrapped proposer."""
-        self.requests.pop(request_id, None)
+        """Forget the request here and in the wrapped proposer; its evidence joins the finished requests'."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.past_accepted += state.accepted
+            self.past_proposed += state.proposed
         self.inner.release(request_id)
