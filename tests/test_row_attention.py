@@ -1,8 +1,10 @@
 """The project's row attention kernel (pipeline/reference/row_attention.py): softmax attention to float32 accuracy,
 every row alone over its own keys, so its bits never depend on the other rows or the thread count; the model takes
-it for batch-invariant float32 forwards and gives the SDPA path's logits to float32 accuracy. Where the CPU has no
-AVX-512 the kernel is not built and these tests skip (the model's SDPA path is tested in tests/test_model.py)."""
+it for batch-invariant float32 forwards and gives the SDPA path's logits to float32 accuracy. Each build runs where
+its CPU features are (the AVX2 one on AVX-512 CPUs too); the others skip (the model's SDPA path is tested in
+tests/test_model.py)."""
 
+import functools
 import math
 
 import pytest
@@ -12,7 +14,12 @@ from pipeline.reference import row_attention
 from pipeline.reference.model import LlamaModel, SequenceInput
 from tests.test_model import BLOCK, blocks_for, random_ids
 
-needs_kernel = pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="the kernel needs AVX-512")
+needs_kernel = pytest.mark.skipif(not row_attention.AVX2.cpu_supported(), reason="every build needs at least AVX2")
+# the two builds of the kernel
+ISAS = pytest.mark.parametrize("isa", [
+    pytest.param(row_attention.AVX512, marks=pytest.mark.skipif(not row_attention.AVX512.cpu_supported(), reason="no AVX-512")),
+    pytest.param(row_attention.AVX2, marks=pytest.mark.skipif(not row_attention.AVX2.cpu_supported(), reason="no AVX2")),
+], ids=["avx512", "avx2"])
 
 
 def reference(q, k, v, slots, starts, lengths) -> torch.Tensor:
@@ -28,10 +35,11 @@ def reference(q, k, v, slots, starts, lengths) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@needs_kernel
+@ISAS
 @pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16), (18, 1, 256)])
-def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size):
-    assert row_attention.kernel() is not None
+def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size, isa):
+    attend = functools.partial(row_attention.row_attention, isa=isa)
+    assert row_attention.kernel() is (row_attention.AVX512 if row_attention.AVX512.cpu_supported() else row_attention.AVX2)
     g = torch.Generator().manual_seed(heads * head_size)
     k, v = torch.randn(600, kv_heads, head_size, generator=g), torch.randn(600, kv_heads, head_size, generator=g)
     q = torch.randn(8, heads, head_size, generator=g) * 3
@@ -39,24 +47,25 @@ def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv
     starts = torch.tensor([0, 0, 0, 0, 10, 10, 200, 599])
     lengths = torch.tensor([1, 15, 16, 17, 300, 301, 400, 1])  # across 16-lane chunk boundaries
     keys = (slots, starts, lengths)
-    out = row_attention.row_attention(q, k, v, keys, 1 / math.sqrt(head_size))
+    out = attend(q, k, v, keys, 1 / math.sqrt(head_size))
     assert (out.double() - reference(q, k, v, *keys)).abs().max() < 1e-5
-    alone = torch.cat([row_attention.row_attention(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]),
+    alone = torch.cat([attend(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]),
                                                    1 / math.sqrt(head_size)) for r in range(len(q))])
     assert torch.equal(alone, out)  # a row's bits do not depend on the other rows
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(row_attention.row_attention(q, k, v, keys, 1 / math.sqrt(head_size)), out)
+        assert torch.equal(attend(q, k, v, keys, 1 / math.sqrt(head_size)), out)
     finally:
         torch.set_num_threads(before)
 
 
-@needs_kernel
-def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads():
+@ISAS
+def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads(isa):
     """A 40-row prompt (the kernel splits a sequence's rows into work items of 16) and a 3-row verify of another
     sequence: every row equals itself computed alone, on one thread or two, and softmax attention to float32
     accuracy."""
+    attend = functools.partial(row_attention.row_attention, isa=isa)
     g = torch.Generator().manual_seed(40)
     k, v = torch.randn(128, 3, 64, generator=g), torch.randn(128, 3, 64, generator=g)
     q = torch.randn(43, 9, 64, generator=g) * 3
@@ -69,19 +78,21 @@ def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads():
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(row_attention.row_attention(q, k, v, keys, 0.125))
+            outs.append(attend(q, k, v, keys, 0.125))
     finally:
         torch.set_num_threads(before)
-    alone = torch.cat([row_attention.row_attention(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]), 0.125)
+    alone = torch.cat([attend(q[r:r + 1], k, v, (slots, starts[r:r + 1], lengths[r:r + 1]), 0.125)
                        for r in range(len(q))])
     assert torch.equal(outs[0], alone) and torch.equal(outs[1], alone)
     assert (alone.double() - reference(q, k, v, *keys)).abs().max() < 1e-5
 
 
-@needs_kernel
-def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention():
+@ISAS
+def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention(isa):
     """The fused call the model makes per layer: the new tokens' keys and values (strided rows, as views of the qkv
     projection) land at their slots, and the result is row_attention's over the cache written the usual way."""
+    attend = functools.partial(row_attention.row_attention, isa=isa)
+    write = functools.partial(row_attention.write_and_attend, isa=isa)
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(64, 2, 32, generator=g), torch.randn(64, 2, 32, generator=g)
     qkv = torch.randn(3, 8 + 2 * 2, 32, generator=g)  # 8 query heads, 2 KV heads: k_new and v_new are strided views
@@ -89,27 +100,28 @@ def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention():
     new_slots = torch.tensor([40, 41, 42])
     keys = (torch.arange(43), torch.zeros(3, dtype=torch.long), torch.tensor([41, 42, 43]))
     k_ref, v_ref = k.clone().index_copy_(0, new_slots, k_new), v.clone().index_copy_(0, new_slots, v_new)
-    want = row_attention.row_attention(q, k_ref, v_ref, keys, 0.2)
-    got = row_attention.write_and_attend(q, k_new, v_new, new_slots, k, v, keys, 0.2)
+    want = attend(q, k_ref, v_ref, keys, 0.2)
+    got = write(q, k_new, v_new, new_slots, k, v, keys, 0.2)
     assert torch.equal(got, want) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
     with pytest.raises(RuntimeError, match="slot 64 is not in the cache"):
-        row_attention.write_and_attend(q, k_new * 2, v_new * 2, torch.tensor([40, 41, 64]), k, v, keys, 0.2)
+        write(q, k_new * 2, v_new * 2, torch.tensor([40, 41, 64]), k, v, keys, 0.2)
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # a bad slot is refused before anything is written
     with pytest.raises(RuntimeError, match="k_new and v_new must be float32"):
-        row_attention.write_and_attend(q, k_new.double(), v_new, new_slots, k, v, keys, 0.2)
+        write(q, k_new.double(), v_new, new_slots, k, v, keys, 0.2)
 
 
-@needs_kernel
-def test_bad_keys_and_shapes_are_clear_errors():
+@ISAS
+def test_bad_keys_and_shapes_are_clear_errors(isa):
+    attend = functools.partial(row_attention.row_attention, isa=isa)
     k = v = torch.zeros(10, 2, 32)
     q = torch.zeros(1, 4, 32)
     one = torch.tensor([0])
     with pytest.raises(RuntimeError, match="slot 10 is not in the cache"):
-        row_attention.row_attention(q, k, v, (torch.tensor([10]), one, torch.tensor([1])), 1.0)
+        attend(q, k, v, (torch.tensor([10]), one, torch.tensor([1])), 1.0)
     with pytest.raises(RuntimeError, match="row 0's keys are out of range"):
-        row_attention.row_attention(q, k, v, (torch.tensor([1]), one, torch.tensor([2])), 1.0)
+        attend(q, k, v, (torch.tensor([1]), one, torch.tensor([2])), 1.0)
     with pytest.raises(RuntimeError, match="k and v must be float32"):
-        row_attention.row_attention(q, k.half(), v.half(), (torch.tensor([1]), one, torch.tensor([1])), 1.0)
+        attend(q, k.half(), v.half(), (torch.tensor([1]), one, torch.tensor([1])), 1.0)
     assert not row_attention.supports(4, 2, 24) and not row_attention.supports(8, 3, 64)
     assert not row_attention.supports(4, 2, 272)
     assert row_attention.supports(9, 3, 64) and row_attention.supports(18, 1, 64)

@@ -21,9 +21,11 @@ def switched_on(env: str) -> bool:
     return os.environ.get(env, "1") != "0"
 
 
-def load(name: str, env: str, cpu_supported: Callable[[], bool], flags: list[str], fallback: str):
-    """`torch.ops.specdeploy` with csrc/<name>.cpp's ops loaded, or None where they cannot run here: `env` is "0",
-    the CPU lacks what `cpu_supported` checks (logged: `fallback` says what runs instead), or the build failed."""
+def load(name: str, env: str, cpu_supported: Callable[[], bool], flags: list[str], fallback: str,
+         source: str | None = None):
+    """`torch.ops.specdeploy` with csrc/<source or name>.cpp's ops loaded (library specdeploy_<name>: one source may
+    build twice with different flags), or None where they cannot run here: `env` is "0", the CPU lacks what
+    `cpu_supported` checks (logged: `fallback` says what runs instead), or the build failed."""
     import torch
 
     if not switched_on(env):
@@ -31,13 +33,13 @@ def load(name: str, env: str, cpu_supported: Callable[[], bool], flags: list[str
     if not cpu_supported():
         log.info("%s: not for this CPU; %s", name, fallback)
         return None
-    if not _build(name, flags):
+    if not _build(name, source or name, flags):
         return None
     return torch.ops.specdeploy
 
 
-def _build(name: str, flags: list[str]) -> bool:
-    """Compile and load csrc/<name>.cpp (library specdeploy_<name>); False where that fails (logged)."""
+def _build(name: str, source: str, flags: list[str]) -> bool:
+    """Compile and load csrc/<source>.cpp as library specdeploy_<name>; False where that fails (logged)."""
     try:
         import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -45,7 +47,7 @@ def _build(name: str, flags: list[str]) -> bool:
         pass
     try:
         from torch.utils.cpp_extension import load_inline
-        load_inline(f"specdeploy_{name}", cpp_sources=[(SOURCES / f"{name}.cpp").read_text()], extra_cflags=flags,
+        load_inline(f"specdeploy_{name}", cpp_sources=[(SOURCES / f"{source}.cpp").read_text()], extra_cflags=flags,
                     is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
         log.warning("could not build the %s kernel (%s); its fallback runs", name, error)

@@ -32,10 +32,10 @@ AMX_MIN_ROWS = 8
 
 @dataclass(frozen=True)
 class Isa:
-    """One build of the kernel: its source, compiler flags, the CPU check, and its packed weight layout
-    (`group` output channels by `k_align` columns)."""
+    """One build of the kernel: its library (and source) name, compiler flags, the CPU check, and its packed weight
+    layout (`group` output channels by `k_align` columns)."""
 
-    source: str
+    library: str
     flags: tuple[str, ...]
     cpu_supported: Callable[[], bool]
     group: int
@@ -61,7 +61,7 @@ def amx_min_rows() -> int:
 @functools.cache
 def load(isa: Isa):
     """`torch.ops.specdeploy` with `isa`'s kernel built and loaded, or None where it cannot run here."""
-    return cpp_ops.load(isa.source, ENV, isa.cpu_supported, list(isa.flags), "int8_sq GEMMs run on fbgemm")
+    return cpp_ops.load(isa.library, ENV, isa.cpu_supported, list(isa.flags), "int8_sq GEMMs run on fbgemm")
 
 
 def kernel() -> Isa | None:

@@ -9,20 +9,38 @@ further row, in call overhead). Rows share work, not arithmetic: the rows of one
 one KV head read each key and value once (16 keys transposed in registers), and the next keys are prefetched. A
 verify's second row costs 4% of a step where it cost 11%, with the same bits as before (docs/benchmarks.md).
 
-It runs where the CPU has AVX-512, the model computes in float32 with a float32 KV cache and the rows form chains
-(trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Numbers: docs/benchmarks.md.
+It runs where the CPU has AVX-512 or AVX2 (a second build of the same source, ops `row_attention_avx2` and
+`write_and_attend_avx2`: 8-lane arithmetic of its own, fixed the same way), the model computes in float32 with a
+float32 KV cache and the rows form chains (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere.
+Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from pipeline.reference import cpp_ops
 
 ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this kernel can run
-FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of csrc/row_attention.cpp: its library name, compiler flags, CPU check and op suffix."""
+
+    library: str
+    flags: tuple[str, ...]
+    cpu_supported: Callable[[], bool]
+    suffix: str
+
+
+AVX512 = Isa("row_attention", ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
+             torch.cpu._is_avx512_supported, "")
+AVX2 = Isa("row_attention_avx2", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported, "_avx2")
 
 
 def switched_on() -> bool:
@@ -31,10 +49,16 @@ def switched_on() -> bool:
 
 
 @functools.cache
-def kernel():
-    """`torch.ops.specdeploy` with `row_attention` built and loaded, or None where it cannot run here (no AVX-512,
-    REFERENCE_ROW_ATTENTION=0, or the build failed: logged once)."""
-    return cpp_ops.load("row_attention", ENV, torch.cpu._is_avx512_supported, FLAGS, "attention runs on SDPA (no AVX-512)")
+def load(isa: Isa):
+    """`torch.ops.specdeploy` with `isa`'s build loaded, or None where it cannot run here."""
+    return cpp_ops.load(isa.library, ENV, isa.cpu_supported, list(isa.flags), "attention runs on SDPA",
+                        source="row_attention")
+
+
+def kernel() -> Isa | None:
+    """The build the model runs here: AVX-512 where the CPU has it, else AVX2; None where neither runs
+    (REFERENCE_ROW_ATTENTION=0, no AVX2, or the build failed: logged once)."""
+    return next((isa for isa in (AVX512, AVX2) if isa.cpu_supported() and load(isa) is not None), None)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
@@ -44,14 +68,17 @@ def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  scale: float) -> torch.Tensor:
+                  scale: float, isa: Isa | None = None) -> torch.Tensor:
     """q [T, H, D] over one layer's cache k, v [slots, KVH, D]; keys = (slots, starts, lengths): row t attends over
-    slots[starts[t]:starts[t] + lengths[t]]. -> [T, H * D]."""
-    return torch.ops.specdeploy.row_attention(q, k, v, *keys, scale)
+    slots[starts[t]:starts[t] + lengths[t]]. -> [T, H * D]. isa: the build (default `kernel()`)."""
+    op = getattr(torch.ops.specdeploy, "row_attention" + (isa or kernel()).suffix)
+    return op(q, k, v, *keys, scale)
 
 
 def write_and_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_slots: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+                     v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
+                     isa: Isa | None = None) -> torch.Tensor:
     """Store the new tokens' k_new, v_new [T, KVH, D] at new_slots [T] of one layer's cache k, v, then row_attention:
     one call a layer instead of three (the KV write's two index_copy_ were 5% of a SmolLM2 step)."""
-    return torch.ops.specdeploy.write_and_attend(q, k_new, v_new, new_slots, k, v, *keys, scale)
+    op = getattr(torch.ops.specdeploy, "write_and_attend" + (isa or kernel()).suffix)
+    return op(q, k_new, v_new, new_slots, k, v, *keys, scale)

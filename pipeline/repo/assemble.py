@@ -236,6 +236,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     batches = ((1,) if not lookup_in_engine(s.mode, plan.toolchain)
                else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1)))
     switches = " ".join(f"{m.ENV}={int(m.switched_on())}" for m in (int8_grid_gemm, fp16_weight_gemm, row_attention))
+    builds = [int8_grid_gemm.kernel(), row_attention.kernel()]  # which build of each kernel runs (AVX-512 or AVX2)
+    switches += " builds " + ",".join(isa.library for isa in builds if isa is not None)
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"

@@ -9,6 +9,12 @@
 // those of the earlier one-key-at-a-time kernel (16-lane multiply-adds, then _mm512_reduce_add_ps's tree), which
 // the int8_sq engines' greedy texts depend on: their per-token activation rounding turns any last-bit change
 // of attention into different texts. Python side and the numbers: pipeline/reference/row_attention.py.
+//
+// The source builds twice: with AVX-512 (the kernel above, ops row_attention and write_and_attend) and with AVX2
+// only (ops row_attention_avx2 and write_and_attend_avx2), for CPUs such as AMD Zen3. The AVX2 kernel has its own
+// arithmetic, fixed just the same: each score a dot product over 8-lane fma chains then a fixed horizontal sum, the
+// softmax's maximum and sum in slot order, the weighted values in slot order; the rows of one sequence and the
+// query heads of one KV head read each key once (every pair's scores for a block of 8 keys while it is in L1).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,10 +28,17 @@
 
 namespace {
 
+#ifdef __AVX512F__
+#define OP_NAME(name) name
+#else
+#define OP_NAME(name) name "_avx2"
+#endif
+
 constexpr int LANES = 16;
 constexpr int MAX_HEAD_SIZE = 256;
 constexpr int64_t ROWS_PER_ITEM = 16;  // rows of one sequence per work item (a verify's rows: one item)  // the transposed keys' scratch: [MAX_HEAD_SIZE][16] floats
 
+#ifdef __AVX512F__
 // e^x on 16 lanes for x <= 0: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor polynomial of degree 7
 // (relative error below 2e-9, under float32's rounding), times 2^n by vscalefps. Below -87 it returns e^-87.
 inline __m512 exp_ps(__m512 x) {
@@ -195,6 +208,112 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
   }
 }
 
+#else  // AVX2
+
+// e^x on 8 lanes for x <= 0, as exp_ps above: the same polynomial in f, times 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5252733804059840e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381609e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));  // n >= -126: a normal power of two
+}
+
+// The 8 lanes' sum in one fixed tree: halves, then pairs, then the last two.
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lanes [0, n) of 8 set (n may exceed 8).
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// As the AVX-512 kv_head: n (row, query head) pairs over one KV head, pair p over the keys at slots[0 : len[p]].
+// Scores 8 keys at a time (each block read once for every pair), then each pair's softmax, then its weighted values.
+void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const* out, const float* k, const float* v,
+             const int64_t* slots, int64_t kv_stride, int64_t D, float scale, float* s, int64_t s_stride, float*) {
+  int64_t longest = 0;
+  for (int64_t p = 0; p < n; ++p) longest = std::max(longest, len[p]);
+  const int64_t chunks = D / 8;
+  alignas(32) static thread_local float zeros[MAX_HEAD_SIZE] = {};  // the keys past the longest row's
+  for (int64_t j0 = 0; j0 < longest; j0 += 8) {  // scores, 8 keys at a time
+    const float* kj[8];
+    for (int t = 0; t < 8; ++t) kj[t] = j0 + t < longest ? k + slots[j0 + t] * kv_stride : zeros;
+    for (int64_t t = j0 + 8; t < std::min(longest, j0 + 16); ++t)  // the next block's keys on their way in
+      for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + d), _MM_HINT_T0);
+    for (int64_t p = 0; p < n; ++p) {
+      if (j0 >= len[p]) continue;
+      // key t's dot product: lane l sums q[8c + l] * k_t[8c + l] over the chunks c in order, by fmas from the first
+      // product; then the 8 keys' lanes add up in one hadd tree, which puts key t's sum in lane t
+      __m256 acc[8];
+      const __m256 q0 = _mm256_loadu_ps(q[p]);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[t]));
+      for (int64_t c = 1; c < chunks; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q[p] + c * 8);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[t] + c * 8), acc[t]);
+      }
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+      _mm256_maskstore_ps(s + p * s_stride + j0, first_lanes(len[p] - j0), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    float* e = s + p * s_stride;
+    const int64_t length = len[p];
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < length; j += 8)
+      best = _mm256_blendv_ps(best, _mm256_max_ps(best, _mm256_maskload_ps(e + j, first_lanes(length - j))),
+                              _mm256_castsi256_ps(first_lanes(length - j)));
+    const __m256 top = _mm256_set1_ps(hmax8(best));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < length; j += 8) {
+      const __m256i m = first_lanes(length - j);
+      const __m256 x = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(e + j, m), top)), _mm256_castsi256_ps(m));
+      _mm256_maskstore_ps(e + j, m, x);
+      sum = _mm256_add_ps(sum, x);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {  // 8 accumulators of 8 lanes: 64 of the head's dimensions
+      const int64_t cn = std::min<int64_t>(8, chunks - c0);
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < length; ++j) {
+        const float* vj = v + slots[j] * kv_stride + c0 * 8;
+        const __m256 w = _mm256_broadcast_ss(e + j);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c)
+          if (c < cn) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + c * 8), acc[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c)
+        if (c < cn) _mm256_storeu_ps(out[p] + (c0 + c) * 8, _mm256_mul_ps(acc[c], inv));
+    }
+  }
+}
+
+#endif  // __AVX512F__
+
 }  // namespace
 
 
@@ -302,8 +421,8 @@ at::Tensor write_and_attend(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
-  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor",
-        &row_attention);
-  m.def("write_and_attend(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, Tensor(b!) v, "
-        "Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend);
+  m.def(OP_NAME("row_attention") "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
+        "float scale) -> Tensor", &row_attention);
+  m.def(OP_NAME("write_and_attend") "(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, "
+        "Tensor(b!) v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend);
 }
