@@ -64,6 +64,7 @@ def load(isa: Isa):
     return cpp_ops.load(isa.library, ENV, isa.cpu_supported, list(isa.flags), "int8_sq GEMMs run on fbgemm")
 
 
+@functools.cache
 def kernel() -> Isa | None:
     """The kernel Int8PerToken runs here: VNNI where the CPU has it, else AVX2; None where neither runs
     (REFERENCE_INT8_KERNEL=0, no AVX2, or the build failed: logged once)."""

@@ -55,6 +55,7 @@ def load(isa: Isa):
                         source="row_attention")
 
 
+@functools.cache
 def kernel() -> Isa | None:
     """The build the model runs here: AVX-512 where the CPU has it, else AVX2; None where neither runs
     (REFERENCE_ROW_ATTENTION=0, no AVX2, or the build failed: logged once)."""
