@@ -136,6 +136,20 @@ def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar()
     assert ask(free) == [4]  # free draft tokens (cost 0): 25 % keeps speculating
 
 
+def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
+    """A draft token costs 0.6 of a step: after 2 steps (8 draft tokens) with nothing accepted, even the optimistic
+    bound (0 + sqrt(ln 20 / 16) = 0.43) is below the bar, so it stops 6 steps before the window of 8; half accepted
+    goes on; a cheap bar (10%) waits for the window as before."""
+    for accepted, cost, after_two in ((0, 0.6, 0), (2, 0.6, 4), (0, 0.0, 4)):
+        policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8,
+                                                              draft_token_costs=((1, cost),) if cost else ()))
+        assert ask(policy) == [4]
+        policy.update("r0", accepted, 4)
+        assert ask(policy) == [4]  # one step: 4 draft tokens say little (margin 0.61)
+        policy.update("r0", accepted, 4)
+        assert ask(policy) == [after_two]
+
+
 def test_policy_keeps_a_decent_request_through_a_run_of_rejections():
     policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.3, window=3))
     ask(policy)
