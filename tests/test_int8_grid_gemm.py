@@ -11,7 +11,7 @@ is checked against exact integer sums.
 import pytest
 import torch
 
-from pipeline.reference import int8_grid_gemm
+from pipeline.reference import cpp_ops, int8_grid_gemm
 from pipeline.reference.int8_grid_gemm import AVX2, VNNI
 from pipeline.reference.linear import GRID_STEP, GRID_ZERO_POINT, Int8PerToken, fbgemm_prepack, scale_rows
 
@@ -42,7 +42,7 @@ def exact_grid_gemm(x_unit: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     return sums.to(torch.int32).float() * (torch.tensor(GRID_STEP, dtype=torch.float32) * scale.float())
 
 
-def packed(q: torch.Tensor, scale: torch.Tensor, isa: int8_grid_gemm.Isa, amx_min_rows: int) -> int8_grid_gemm.PackedInt8:
+def packed(q: torch.Tensor, scale: torch.Tensor, isa: cpp_ops.Build, amx_min_rows: int) -> int8_grid_gemm.PackedInt8:
     """The kernel over q on the given path."""
     kernel = int8_grid_gemm.PackedInt8(q, scale, GRID_STEP, GRID_ZERO_POINT, isa=isa)
     kernel.amx_min_rows = amx_min_rows

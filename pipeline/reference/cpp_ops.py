@@ -7,8 +7,10 @@ from ~/.cache/torch_extensions). A kernel that cannot be built is logged once an
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,25 +23,32 @@ def switched_on(env: str) -> bool:
     return os.environ.get(env, "1") != "0"
 
 
-def load(name: str, env: str, cpu_supported: Callable[[], bool], flags: list[str], fallback: str,
-         source: str | None = None):
-    """`torch.ops.specdeploy` with csrc/<source or name>.cpp's ops loaded (library specdeploy_<name>: one source may
-    build twice with different flags), or None where they cannot run here: `env` is "0", the CPU lacks what
-    `cpu_supported` checks (logged: `fallback` says what runs instead), or the build failed."""
-    import torch
+@dataclass(frozen=True)
+class Build:
+    """One build of a kernel source: library specdeploy_<library> from csrc/<source>.cpp with `flags`, for CPUs
+    that pass `cpu_supported` (one source may build twice, for AVX-512 and for AVX2)."""
 
+    library: str
+    source: str
+    flags: tuple[str, ...]
+    cpu_supported: Callable[[], bool]
+
+
+def first_build(builds: tuple[Build, ...], env: str, fallback: str) -> Build | None:
+    """The first of `builds` this CPU runs that builds and loads (its ops then in `torch.ops.specdeploy`), or None:
+    `env` is "0", no build suits the CPU (logged: `fallback` says what runs instead), or the builds failed."""
     if not switched_on(env):
         return None
-    if not cpu_supported():
-        log.info("%s: not for this CPU; %s", name, fallback)
-        return None
-    if not _build(name, source or name, flags):
-        return None
-    return torch.ops.specdeploy
+    build = next((b for b in builds if b.cpu_supported() and loaded(b)), None)
+    if build is None:
+        log.info("%s: no build runs on this CPU; %s", builds[0].library, fallback)
+    return build
 
 
-def _build(name: str, source: str, flags: list[str]) -> bool:
-    """Compile and load csrc/<source>.cpp as library specdeploy_<name>; False where that fails (logged)."""
+@functools.cache
+def loaded(build: Build) -> bool:
+    """Compile the build (once per machine) and load it into `torch.ops.specdeploy`; False where that fails
+    (logged)."""
     try:
         import ninja  # the pip package; torch's loader runs the `ninja` binary from PATH
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -47,9 +56,9 @@ def _build(name: str, source: str, flags: list[str]) -> bool:
         pass
     try:
         from torch.utils.cpp_extension import load_inline
-        load_inline(f"specdeploy_{name}", cpp_sources=[(SOURCES / f"{source}.cpp").read_text()], extra_cflags=flags,
-                    is_python_module=False)
+        load_inline(f"specdeploy_{build.library}", cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()],
+                    extra_cflags=list(build.flags), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
-        log.warning("could not build the %s kernel (%s); its fallback runs", name, error)
+        log.warning("could not build the %s kernel (%s); its fallback runs", build.library, error)
         return False
     return True

@@ -16,7 +16,8 @@ import torch
 from pipeline.reference import cpp_ops
 
 ENV = "REFERENCE_FP16_KERNEL"  # "0": Float16Weights stays on fbgemm even where this kernel can run
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+AVX2 = cpp_ops.Build("fp16_weight_gemm", "fp16_weight_gemm", ("-O3", "-mavx2", "-mfma", "-mf16c"),
+                     torch.cpu._is_avx2_supported)  # every AVX2 CPU has F16C and FMA
 GROUP = 8  # channels per packed group (one ymm of float32)
 
 
@@ -26,11 +27,10 @@ def switched_on() -> bool:
 
 
 @functools.cache
-def kernel():
-    """`torch.ops.specdeploy` with `fp16_weight_gemm` built and loaded, or None where it cannot run here (no AVX2,
-    REFERENCE_FP16_KERNEL=0, or the build failed: logged once). Every AVX2 CPU has F16C and FMA."""
-    return cpp_ops.load("fp16_weight_gemm", ENV, torch.cpu._is_avx2_supported, FLAGS,
-                        "fp16-weight GEMMs run on fbgemm (no AVX2)")
+def kernel() -> cpp_ops.Build | None:
+    """The build Float16Weights runs here, or None where it cannot run (no AVX2, REFERENCE_FP16_KERNEL=0, or the
+    build failed: logged once)."""
+    return cpp_ops.first_build((AVX2,), ENV, "fp16-weight GEMMs run on fbgemm")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

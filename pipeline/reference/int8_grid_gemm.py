@@ -15,9 +15,6 @@ REFERENCE_INT8_KERNEL=0, `kernel()` is None and Int8PerToken stays on fbgemm.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from pipeline.reference import cpp_ops
@@ -30,21 +27,11 @@ ENV = "REFERENCE_INT8_KERNEL"  # "0": Int8PerToken stays on fbgemm even where a 
 AMX_MIN_ROWS = 8
 
 
-@dataclass(frozen=True)
-class Isa:
-    """One build of the kernel: its library (and source) name, compiler flags, the CPU check, and its packed weight
-    layout (`group` output channels by `k_align` columns)."""
-
-    library: str
-    flags: tuple[str, ...]
-    cpu_supported: Callable[[], bool]
-    group: int
-    k_align: int
-
-
-VNNI = Isa("int8_grid_gemm", ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
-                              "-mamx-int8"), torch.cpu._is_vnni_supported, group=64, k_align=64)  # whole AMX tiles
-AVX2 = Isa("int8_grid_gemm_avx2", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported, group=8, k_align=4)
+VNNI = cpp_ops.Build("int8_grid_gemm", "int8_grid_gemm", ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                                                         "-mamx-tile", "-mamx-int8"), torch.cpu._is_vnni_supported)
+AVX2 = cpp_ops.Build("int8_grid_gemm_avx2", "int8_grid_gemm_avx2", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported)
+# each build's packed weight layout: (output channels per group, columns rounded up to); VNNI's: whole AMX tiles
+PACKING = {VNNI: (64, 64), AVX2: (8, 4)}
 
 
 def switched_on() -> bool:
@@ -59,16 +46,10 @@ def amx_min_rows() -> int:
 
 
 @functools.cache
-def load(isa: Isa):
-    """`torch.ops.specdeploy` with `isa`'s kernel built and loaded, or None where it cannot run here."""
-    return cpp_ops.load(isa.library, ENV, isa.cpu_supported, list(isa.flags), "int8_sq GEMMs run on fbgemm")
-
-
-@functools.cache
-def kernel() -> Isa | None:
-    """The kernel Int8PerToken runs here: VNNI where the CPU has it, else AVX2; None where neither runs
+def kernel() -> cpp_ops.Build | None:
+    """The build Int8PerToken runs here: VNNI where the CPU has it, else AVX2; None where neither runs
     (REFERENCE_INT8_KERNEL=0, no AVX2, or the build failed: logged once)."""
-    return next((isa for isa in (VNNI, AVX2) if isa.cpu_supported() and load(isa) is not None), None)
+    return cpp_ops.first_build((VNNI, AVX2), ENV, "int8_sq GEMMs run on fbgemm")
 
 
 def pack(q: torch.Tensor, group: int, k_align: int) -> torch.Tensor:
@@ -83,11 +64,12 @@ def pack(q: torch.Tensor, group: int, k_align: int) -> torch.Tensor:
 class PackedInt8:
     """One int8 weight [out, in] with per-channel scales, packed for one of the kernels (default: `kernel()`)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int, isa: Isa | None = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, step: float, zero_point: int,
+                 isa: cpp_ops.Build | None = None):
         self.isa = isa or kernel()
-        if self.isa is None or load(self.isa) is None:
+        if self.isa is None or not (self.isa.cpu_supported() and cpp_ops.loaded(self.isa)):
             raise RuntimeError("PackedInt8: no int8 kernel runs on this CPU (Int8PerToken falls back to fbgemm)")
-        self.packed = pack(q, self.isa.group, self.isa.k_align)
+        self.packed = pack(q, *PACKING[self.isa])
         self.offset = (zero_point * q.int().sum(dim=1)).to(torch.int32)  # [out]: zero point x column sums
         self.multiplier = (torch.tensor(step, dtype=torch.float32) * scale.float()).contiguous()  # [out]
         self.in_features, self.step, self.zero_point = q.shape[1], step, zero_point

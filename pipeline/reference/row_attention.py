@@ -18,9 +18,6 @@ Numbers: docs/benchmarks.md.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from pipeline.reference import cpp_ops
@@ -28,19 +25,9 @@ from pipeline.reference import cpp_ops
 ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this kernel can run
 
 
-@dataclass(frozen=True)
-class Isa:
-    """One build of csrc/row_attention.cpp: its library name, compiler flags, CPU check and op suffix."""
-
-    library: str
-    flags: tuple[str, ...]
-    cpu_supported: Callable[[], bool]
-    suffix: str
-
-
-AVX512 = Isa("row_attention", ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
-             torch.cpu._is_avx512_supported, "")
-AVX2 = Isa("row_attention_avx2", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported, "_avx2")
+AVX512 = cpp_ops.Build("row_attention", "row_attention", ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
+                       torch.cpu._is_avx512_supported)
+AVX2 = cpp_ops.Build("row_attention_avx2", "row_attention", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported)
 
 
 def switched_on() -> bool:
@@ -49,17 +36,16 @@ def switched_on() -> bool:
 
 
 @functools.cache
-def load(isa: Isa):
-    """`torch.ops.specdeploy` with `isa`'s build loaded, or None where it cannot run here."""
-    return cpp_ops.load(isa.library, ENV, isa.cpu_supported, list(isa.flags), "attention runs on SDPA",
-                        source="row_attention")
+def kernel() -> cpp_ops.Build | None:
+    """The build the model runs here: AVX-512 where the CPU has it, else AVX2; None where neither runs
+    (REFERENCE_ROW_ATTENTION=0, no AVX2, or the build failed: logged once)."""
+    return cpp_ops.first_build((AVX512, AVX2), ENV, "attention runs on SDPA")
 
 
 @functools.cache
-def kernel() -> Isa | None:
-    """The build the model runs here: AVX-512 where the CPU has it, else AVX2; None where neither runs
-    (REFERENCE_ROW_ATTENTION=0, no AVX2, or the build failed: logged once)."""
-    return next((isa for isa in (AVX512, AVX2) if isa.cpu_supported() and load(isa) is not None), None)
+def _op(name: str, build: cpp_ops.Build):
+    """The op `name` of a build (the AVX2 build registers its ops with the suffix _avx2), resolved once."""
+    return getattr(torch.ops.specdeploy, name + ("_avx2" if build is AVX2 else ""))
 
 
 def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
@@ -69,17 +55,15 @@ def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  scale: float, isa: Isa | None = None) -> torch.Tensor:
+                  scale: float, isa: cpp_ops.Build | None = None) -> torch.Tensor:
     """q [T, H, D] over one layer's cache k, v [slots, KVH, D]; keys = (slots, starts, lengths): row t attends over
     slots[starts[t]:starts[t] + lengths[t]]. -> [T, H * D]. isa: the build (default `kernel()`)."""
-    op = getattr(torch.ops.specdeploy, "row_attention" + (isa or kernel()).suffix)
-    return op(q, k, v, *keys, scale)
+    return _op("row_attention", isa or kernel())(q, k, v, *keys, scale)
 
 
 def write_and_attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_slots: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
-                     isa: Isa | None = None) -> torch.Tensor:
+                     isa: cpp_ops.Build | None = None) -> torch.Tensor:
     """Store the new tokens' k_new, v_new [T, KVH, D] at new_slots [T] of one layer's cache k, v, then row_attention:
     one call a layer instead of three (the KV write's two index_copy_ were 5% of a SmolLM2 step)."""
-    op = getattr(torch.ops.specdeploy, "write_and_attend" + (isa or kernel()).suffix)
-    return op(q, k_new, v_new, new_slots, k, v, *keys, scale)
+    return _op("write_and_attend", isa or kernel())(q, k_new, v_new, new_slots, k, v, *keys, scale)

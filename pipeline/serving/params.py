@@ -133,7 +133,7 @@ class BlsSettings:
     # engines when the repository is assembled (pipeline.reference.step_cost); 0 = free (not measured, a GPU).
     # The parameter may hold costs per running batch size (`parse_draft_token_costs`); a BLS round is one
     # request's, so the BLS takes the cost at batch 1.
-    draft_token_cost: float = 0.0
+    draft_token_cost: float = field(default=0.0, metadata={"parse": lambda raw: cost_at_batch_one(raw)})
     max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
     stall_timeout_s: float = 60.0  # a model call with no response for this long fails
@@ -153,8 +153,8 @@ class BlsSettings:
             if key not in params:
                 continue
             raw = params[key]
-            if f.name == "draft_token_cost":
-                kwargs[f.name] = dict(parse_draft_token_costs(raw)).get(1, 0.0)
+            if "parse" in f.metadata:
+                kwargs[f.name] = f.metadata["parse"](raw)
             elif f.type in ("int",):
                 kwargs[f.name] = int(raw)
             elif f.type in ("float",):
@@ -183,6 +183,11 @@ def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
     except ValueError:
         raise ValueError(f"parameter draft_token_cost {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
                          "or one cost for batch 1") from None
+
+
+def cost_at_batch_one(text: str) -> float:
+    """The draft_token_cost parameter's cost at batch 1 (0: free or not measured)."""
+    return dict(parse_draft_token_costs(text)).get(1, 0.0)
 
 
 @dataclass(frozen=True)
