@@ -16,6 +16,11 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
+# Every build compiles and links with OpenMP: without it (_OPENMP undefined) ATen's header-only at::parallel_for runs
+# its body on the calling thread alone, so the kernels ignored torch's thread count (measured: a one-row int8 GEMM
+# over SmolLM2's matrices 12.2 ms on one thread and 11.8 on "two", docs/benchmarks.md). The library's libgomp.so.1
+# is the one torch already loaded (same soname), so torch.set_num_threads governs the kernels' threads too.
+OPENMP = ("-fopenmp",)
 
 
 def switched_on(env: str) -> bool:
@@ -57,7 +62,7 @@ def loaded(build: Build) -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
         load_inline(f"specdeploy_{build.library}", cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()],
-                    extra_cflags=list(build.flags), is_python_module=False)
+                    extra_cflags=[*build.flags, *OPENMP], extra_ldflags=list(OPENMP), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
         log.warning("could not build the %s kernel (%s); its fallback runs", build.library, error)
         return False

@@ -38,13 +38,13 @@ import torch.nn.functional as F
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import row_attention
 from pipeline.reference.kv_cache import KVCache
-from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, intra_op_threads,
-                                       output_layer_16bit, wide_layout)
+from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, ScreenedOutputLayer,
+                                       intra_op_threads, output_layer_16bit, wide_layout)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads:
-# their matmuls are memory-bound GEMVs that one core nearly saturates, and a second OpenMP thread only adds
-# barriers (docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
+# Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads: one
+# unless the engine measured more to be faster where the thread count cannot change a bit (decode_threads.py;
+# docs/engine.md, "Decode step"). Larger forwards (prefill) keep torch's thread count.
 DECODE_ROWS = 16
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Batch-invariant attention runs every token as its own SDPA batch element (its query heads of each KV head as
@@ -135,6 +135,7 @@ class LlamaModel(torch.nn.Module):
         self.dtype = DTYPES[config["dtype"]]
         self.batch_invariant = batch_invariant
         self.decode_threads: int | None = 1  # None: small forwards keep torch's thread count too
+        self.measured_decode_threads: int | None = None  # decode_threads.choose's result, once measured
         self.compiled_layers = None  # compiled.CompiledLayers: the layers with the ops between GEMMs fused
         self.num_layers = config["num_hidden_layers"]
         self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -217,6 +218,19 @@ class LlamaModel(torch.nn.Module):
 
         config, state = load_engine(engine_dir, int8_kernels=True)
         return cls(config.get("pretrained_config", config), state, batch_invariant=batch_invariant)
+
+    def thread_count_invariant(self, kv: KVCache) -> bool:
+        """Whether a small forward over `kv` gives the same bits on any thread count: it runs on the project's
+        kernels alone (compiled regions, fixed at one thread, around the int8 kernel; row attention; an output
+        layer on the fp16 kernel or on its own fixed threads), each of which computes an output element on one
+        thread in a fixed order. Then `decode_threads` is a matter of speed only (decode_threads.choose)."""
+        lm_head = self.lm_head_linear
+        return (self.compiled_layers is not None and self.dtype == torch.float32 and not kv.quantized
+                and row_attention.kernel() is not None
+                and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
+                and all(layer[k].kernel is not None for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))
+                and (isinstance(lm_head, ScreenedOutputLayer)
+                     or isinstance(lm_head, (Float16Weights, Int8PerToken)) and lm_head.kernel is not None))
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str | None = None) -> KVCache:
         """A KV cache shaped for this model (kv_dtype "INT8" stores int8 values with per-token-head scales)."""

@@ -1,0 +1,78 @@
+"""The thread count of decode steps and verifies (pipeline/reference/decode_threads.py): measured only where it
+cannot change a bit, and then it does not.
+
+The project's kernels compile with OpenMP (cpp_ops.OPENMP), so torch's thread count really splits their work;
+a small forward of an int8_sq engine with compiled layers runs on those kernels alone and must give the same
+bits on one thread and on two.
+"""
+
+import pytest
+import torch
+
+from pipeline.reference import compiled, decode_threads
+from pipeline.reference.engine import LLMEngine
+from pipeline.reference.linear import intra_op_threads
+from pipeline.reference.model import LlamaModel, SequenceInput
+from tests.test_int8_kernels import int8_engines  # noqa: F401 - the module's engine builds, a fixture
+from tests.test_speculative import prompts
+
+
+@pytest.fixture
+def compiled_model(int8_engines):  # noqa: F811 - the imported fixture
+    model = LlamaModel.from_engine_dir(int8_engines["int8_sq"])
+    model.compiled_layers = compiled.CompiledLayers(model)
+    return model
+
+
+def test_more_threads_only_where_they_are_clearly_faster():
+    assert decode_threads.faster({1: 1.0, 2: 0.90}) == 2
+    assert decode_threads.faster({1: 1.0, 2: 0.97}) == 1  # within MIN_GAIN: the other core stays free
+    assert decode_threads.faster({1: 1.0, 2: 1.30}) == 1
+    assert decode_threads.faster({1: 1.0, 4: 0.70, 8: 0.80}) == 4
+
+
+def test_kernel_forwards_give_the_same_bits_on_one_and_two_threads(compiled_model):
+    model = compiled_model
+    kv = model.new_kv_cache(4, 32)
+    if not model.thread_count_invariant(kv):
+        pytest.skip("the project's kernels do not all run on this CPU")
+    ids = (prompts(1)[0] * 8)[:30]
+    assert len(ids) == 30
+    with intra_op_threads(2):
+        model([SequenceInput(ids[:20], 0, [0, 1])], kv)
+        logits = {}
+        for threads in (1, 2):
+            model.decode_threads = threads
+            for rows in (1, 6):
+                seq = SequenceInput(ids[20:20 + rows], 20, [0, 1], logits_rows=list(range(rows)))
+                logits[threads, rows] = model([seq], kv).logits
+    assert torch.equal(logits[1, 1], logits[2, 1]) and torch.equal(logits[1, 6], logits[2, 6])
+
+
+def test_the_engine_measures_where_the_choice_is_free_and_keeps_it(compiled_model, monkeypatch):
+    model = compiled_model
+    monkeypatch.delenv(decode_threads.ENV, raising=False)
+    with intra_op_threads(2):
+        kv = model.new_kv_cache(8, 32)
+        if not model.thread_count_invariant(kv):
+            pytest.skip("the project's kernels do not all run on this CPU")
+        chosen = decode_threads.choose(model, kv)
+        assert chosen in (1, 2) and model.decode_threads == model.measured_decode_threads == chosen
+        model.decode_threads = 7
+        assert decode_threads.choose(model, kv) == chosen  # measured once per model
+        monkeypatch.setenv(decode_threads.ENV, "1")  # forced: no measurement
+        assert decode_threads.choose(model, kv) == 1 == model.decode_threads
+        monkeypatch.setenv(decode_threads.ENV, "two")
+        with pytest.raises(ValueError, match="REFERENCE_DECODE_THREADS='two'"):
+            decode_threads.choose(model, kv)
+
+
+def test_models_outside_the_kernels_keep_their_thread_count(int8_engines, monkeypatch):  # noqa: F811
+    monkeypatch.delenv(decode_threads.ENV, raising=False)
+    with intra_op_threads(2):
+        engine = LLMEngine.from_engine_dir(int8_engines["int8_sq"], compiled_layers=False)  # eager layers
+        assert not engine.model.thread_count_invariant(engine.kv)
+        assert engine.model.decode_threads == 1 and engine.model.measured_decode_threads is None
+        quantized_kv = engine.model.new_kv_cache(2, 32, "INT8")
+        engine.model.compiled_layers = compiled.CompiledLayers(engine.model)
+        assert not engine.model.thread_count_invariant(quantized_kv)  # SDPA over a dequantized cache
