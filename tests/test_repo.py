@@ -283,9 +283,11 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
         memo_path.write_text(json.dumps(memo))
 
 
-@pytest.mark.parametrize("switch", ["int8_grid_gemm", "fp16_weight_gemm", "row_attention"])
-def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch):
-    """The memo's key names the CPU and the kernel switches: a cost timed on other kernels is not reused."""
+@pytest.mark.parametrize("switch, value", [("int8_grid_gemm", "0"), ("fp16_weight_gemm", "0"), ("row_attention", "0"),
+                                           ("decode_threads", "1")])
+def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch, value):
+    """The memo's key names the CPU, the kernel switches and a forced decode thread count: a cost timed on other
+    kernels or threads is not reused."""
     import importlib
     from pipeline.repo.assemble import measured_draft_token_costs
 
@@ -297,10 +299,10 @@ def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engi
     memo_path = spec.out_dir / "draft_token_cost.json"
     before = set(json.loads(memo_path.read_text()))
     env = importlib.import_module(f"pipeline.reference.{switch}").ENV
-    monkeypatch.setenv(env, "0")
+    monkeypatch.setenv(env, value)
     measured_draft_token_costs(plan, target, draft)
     (added,) = set(json.loads(memo_path.read_text())) - before
-    assert f"{env}=0" in added
+    assert f"{env}={value}" in added
 
 
 def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
