@@ -76,3 +76,10 @@ def test_models_outside_the_kernels_keep_their_thread_count(int8_engines, monkey
         quantized_kv = engine.model.new_kv_cache(2, 32, "INT8")
         engine.model.compiled_layers = compiled.CompiledLayers(engine.model)
         assert not engine.model.thread_count_invariant(quantized_kv)  # SDPA over a dequantized cache
+
+
+def test_a_cache_too_small_to_time_keeps_the_models_setting(compiled_model, monkeypatch):
+    monkeypatch.delenv(decode_threads.ENV, raising=False)
+    kv = compiled_model.new_kv_cache(1, 32)  # 32 slots: fewer than CONTEXT + VERIFY_ROWS
+    with intra_op_threads(2):
+        assert decode_threads.choose(compiled_model, kv) == 1 and compiled_model.measured_decode_threads is None

@@ -35,14 +35,15 @@ def choose(model: LlamaModel, kv: KVCache) -> int | None:
     """Set and return `model.decode_threads`: REFERENCE_DECODE_THREADS where set; else, where the model's small
     forwards over `kv` are thread-count invariant and torch runs more than one thread, the faster of one thread and
     torch's count (a step plus a verify, measured once per model; blocks at the start of `kv` serve as scratch, so
-    call it before any request runs); else the model's own setting (1 by default). The tokens are the same
-    whatever the choice."""
+    call it before any request runs); else (also where `kv` holds fewer than CONTEXT + VERIFY_ROWS slots) the
+    model's own setting (1 by default). The tokens are the same whatever the choice."""
     forced = os.environ.get(ENV)
     if forced:
         model.decode_threads = _positive(forced)
         return model.decode_threads
     candidates = sorted({1, torch.get_num_threads()})
-    if len(candidates) == 1 or not model.thread_count_invariant(kv):
+    too_small = kv.num_blocks * kv.block_size < CONTEXT + VERIFY_ROWS  # no room for the timed forwards
+    if len(candidates) == 1 or too_small or not model.thread_count_invariant(kv):
         return model.decode_threads
     if model.measured_decode_threads is None:
         seconds = time_small_forwards(model, kv, candidates)
@@ -64,9 +65,7 @@ def faster(seconds: dict[int, float]) -> int:
 def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int]) -> dict[int, float]:
     """{threads: median seconds of a one-token step plus a VERIFY_ROWS-token forward after CONTEXT cached tokens},
     the thread counts taking turns (a shared machine's load changes within seconds)."""
-    blocks = list(range(-(-(CONTEXT + VERIFY_ROWS) // kv.block_size)))
-    if len(blocks) > kv.num_blocks:
-        raise ValueError(f"the KV cache has {kv.num_blocks} blocks; timing small forwards needs {len(blocks)}")
+    blocks = list(range(-(-(CONTEXT + VERIFY_ROWS) // kv.block_size)))  # choose() checked that kv has them
     ids = [(7 * i + 3) % model.vocab_size for i in range(CONTEXT + VERIFY_ROWS)]
     model([SequenceInput(ids[:CONTEXT], 0, blocks)], kv)
 
