@@ -159,7 +159,10 @@ def test_fp8_kv_cache_is_refused_by_the_reference_toolchain(spec_file):
 def test_ctrl_c_during_a_step_exits_130_and_leaves_no_partial_entry(spec_file):
     spec = load_spec(spec_file, ["models.target.qformat=int8_sq", "models.target.calib_size=2"])
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "engines", str(spec_file), "--set", "models.target.qformat=int8_sq",
-                             "--set", "models.target.calib_size=2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--set", "models.target.calib_size=2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as a terminal's foreground job gets it, even where this run inherited SIGINT ignored
+                            # (a background job of a shell without job control): Python then never raises on Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if "target/quantize" in line and "running" in line:
             proc.send_signal(signal.SIGINT)  # Ctrl-C while the calibrated step runs
