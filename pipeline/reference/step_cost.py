@@ -19,6 +19,9 @@ from pathlib import Path
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.model import LlamaModel, SequenceInput
 
+# How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
+ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
+
 
 def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch: int = 1, context: int = 256,
                      repeats: int = 20) -> float:
@@ -61,8 +64,16 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
     repository is assembled). A draft token's cost grows with the batch where the verify's rows are compute-bound
     (the AVX2 int8 GEMM: docs/benchmarks.md), so the engine's policy needs it per batch size.
 
-    draft_dir None: prompt lookup. Takes a few seconds per batch size for SmolLM2-sized engines.
+    Each model is timed as a served engine runs it: loaded by LLMEngine with batch-invariant math (the
+    serving default), so with its compiled layers and its decode steps on the thread count the engine measured
+    (pipeline.reference.decode_threads). draft_dir None: prompt lookup. Takes a few seconds per batch size for
+    SmolLM2-sized engines.
     """
-    target = LlamaModel.from_engine_dir(target_dir)
-    draft = LlamaModel.from_engine_dir(draft_dir) if draft_dir is not None else None
+    from pipeline.reference.engine import LLMEngine
+
+    def served(engine_dir: str | Path) -> LlamaModel:
+        return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1).model
+
+    target = served(target_dir)
+    draft = served(draft_dir) if draft_dir is not None else None
     return tuple((batch, round(draft_token_cost(target, draft, k, batch=batch), 2)) for batch in batches)
