@@ -107,6 +107,30 @@ UNSUPPORTED_BLS_INPUTS = (
 )
 
 
+def format_draft_token_costs(costs: tuple[tuple[int, float], ...]) -> str:
+    """The draft_token_cost parameter: "batch:cost" pairs, e.g. "1:0.17 4:0.43"; "0" when nothing was measured."""
+    return " ".join(f"{batch}:{cost}" for batch, cost in costs) or "0"
+
+
+def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
+    """((batch, cost), ...) from the draft_token_cost parameter: "batch:cost" pairs, or one number (the cost at
+    batch 1; 0 or empty: free, ())."""
+    text = text.strip()
+    try:
+        if ":" not in text:
+            return ((1, float(text)),) if text and float(text) > 0 else ()
+        pairs = [pair.split(":") for pair in text.split()]
+        return tuple((int(batch), float(cost)) for batch, cost in pairs)
+    except ValueError:
+        raise ValueError(f"parameter draft_token_cost {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
+                         "or one cost for batch 1") from None
+
+
+def cost_at_batch_one(text: str) -> float:
+    """The draft_token_cost parameter's cost at batch 1 (0: free or not measured)."""
+    return dict(parse_draft_token_costs(text)).get(1, 0.0)
+
+
 @dataclass(frozen=True)
 class BlsSettings:
     """tensorrt_llm_bls parameters from its config.pbtxt."""
@@ -133,7 +157,7 @@ class BlsSettings:
     # engines when the repository is assembled (pipeline.reference.step_cost); 0 = free (not measured, a GPU).
     # The parameter may hold costs per running batch size (`parse_draft_token_costs`); a BLS round is one
     # request's, so the BLS takes the cost at batch 1.
-    draft_token_cost: float = field(default=0.0, metadata={"parse": lambda raw: cost_at_batch_one(raw)})
+    draft_token_cost: float = field(default=0.0, metadata={"parse": cost_at_batch_one})
     max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
     stall_timeout_s: float = 60.0  # a model call with no response for this long fails
@@ -164,30 +188,6 @@ class BlsSettings:
             else:
                 kwargs[f.name] = raw
         return cls(**kwargs)
-
-
-def format_draft_token_costs(costs: tuple[tuple[int, float], ...]) -> str:
-    """The draft_token_cost parameter: "batch:cost" pairs, e.g. "1:0.17 4:0.43"; "0" when nothing was measured."""
-    return " ".join(f"{batch}:{cost}" for batch, cost in costs) or "0"
-
-
-def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
-    """((batch, cost), ...) from the draft_token_cost parameter: "batch:cost" pairs, or one number (the cost at
-    batch 1; 0 or empty: free, ())."""
-    text = text.strip()
-    try:
-        if ":" not in text:
-            return ((1, float(text)),) if text and float(text) > 0 else ()
-        pairs = [pair.split(":") for pair in text.split()]
-        return tuple((int(batch), float(cost)) for batch, cost in pairs)
-    except ValueError:
-        raise ValueError(f"parameter draft_token_cost {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
-                         "or one cost for batch 1") from None
-
-
-def cost_at_batch_one(text: str) -> float:
-    """The draft_token_cost parameter's cost at batch 1 (0: free or not measured)."""
-    return dict(parse_draft_token_costs(text)).get(1, 0.0)
 
 
 @dataclass(frozen=True)
