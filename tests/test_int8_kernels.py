@@ -71,7 +71,9 @@ def test_w8a8_rounds_every_row_on_its_own_8_bit_grid():
 
 def test_onednn_int8_candidate_is_row_invariant_and_equals_fbgemm_where_sums_are_exact():
     """make bench-kernels' oneDNN per-token W8A8 row: same grid as Int8PerToken, so with VNNI / AMX (exact int32
-    sums in both libraries) the same bits; the oneDNN kernel could then take large calls without breaking exactness."""
+    sums in both libraries) the same sums. The float epilogue (int32 sum x row scale x channel scale) rounds in
+    oneDNN's order: the same bits on the Intel hosts measured, up to 2 ulps apart on AMD Zen4 (a third of the
+    outputs), where the oneDNN kernel could not take over Int8PerToken's calls without changing greedy texts."""
     from pipeline.apps.bench_kernels import onednn_int8_per_token
     from pipeline.reference.checkpoint import quantize_int8
 
@@ -83,7 +85,7 @@ def test_onednn_int8_candidate_is_row_invariant_and_equals_fbgemm_where_sums_are
         assert torch.equal(candidate(x[:n]), batched[:n])
     assert torch.equal(candidate(x[7:8]), batched[7:8])
     if torch.cpu._is_vnni_supported():  # without VNNI oneDNN's u8 x s8 pairs may saturate in 16 bits, fbgemm's too
-        assert torch.equal(batched, Int8PerToken(*quantize_int8(w))(x))
+        torch.testing.assert_close(batched, Int8PerToken(*quantize_int8(w))(x), rtol=2.5e-7, atol=0)
 
 
 def test_fp16_weight_kernel_is_row_invariant():

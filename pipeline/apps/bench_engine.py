@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pipeline.reference import fused_layers
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 from pipeline.reference.metrics import SpecStats, aggregate
@@ -237,6 +238,7 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         hf_draft = (weak_draft(pair.draft, dtype) if pair.weak
                     else AutoModelForCausalLM.from_pretrained(pair.draft, dtype=TORCH_DTYPES[dtype]).eval())
         draft = LlamaModel(config_from_hf(json.loads((pair.draft / "config.json").read_text()), dtype), hf_draft.state_dict())
+        draft.fused_layers = fused_layers.build(draft)  # as DraftModelProposer runs it, already for the costs below
     batch8 = [pair.prompts[i % len(pair.prompts)] for i in range(BATCH)]
     run_ours(target, [pair.prompts[0][:16]])  # warm-up (allocations, kernels)
 

@@ -7,9 +7,11 @@ from ~/.cache/torch_extensions). A kernel that cannot be built is logged once an
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -59,11 +61,32 @@ def loaded(build: Build) -> bool:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
+    name = f"specdeploy_{build.library}"
     try:
-        from torch.utils.cpp_extension import load_inline
-        load_inline(f"specdeploy_{build.library}", cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()],
-                    extra_cflags=[*build.flags, *OPENMP], extra_ldflags=list(OPENMP), is_python_module=False)
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+        with _build_lock(Path(_get_build_directory(name, verbose=False))):
+            load_inline(name, cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()],
+                        extra_cflags=[*build.flags, *OPENMP], extra_ldflags=list(OPENMP), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
         log.warning("could not build the %s kernel (%s); its fallback runs", build.library, error)
         return False
     return True
+
+
+@contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an advisory lock on build_dir for one process's build, and remove a stale torch `lock` file first.
+
+    torch's loader marks a build in progress with a `lock` file and waits, without end, while it exists; a build
+    killed midway (Ctrl-C during the first 25 s compile, an OOM kill) leaves the file behind, and every later
+    process hung on it. The kernel lock (flock, released by the kernel when its holder dies) serialises this
+    project's builds of a library, so a `lock` file found while holding it belongs to a dead build.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "specdeploy.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import TOKENS_PER_BLOCK
+from pipeline.reference import fused_layers
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
@@ -52,6 +53,8 @@ class DraftModelProposer:
         self.model = model
         num_blocks = max_batch_size * -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size
         self.kv = model.new_kv_cache(num_blocks, tokens_per_block)
+        if model.fused_layers is None:
+            model.fused_layers = fused_layers.build(model)  # its steps as one C++ call each (None: eager)
         self.block_manager = BlockManager(num_blocks, tokens_per_block)
         self.sequences: dict[str, _DraftSequence] = {}
 

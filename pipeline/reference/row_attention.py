@@ -42,10 +42,15 @@ def kernel() -> cpp_ops.Build | None:
     return cpp_ops.first_build((AVX512, AVX2), ENV, "attention runs on SDPA")
 
 
+def op_name(name: str, build: cpp_ops.Build | None = None) -> str:
+    """The name under which a build (default `kernel()`) registers op `name`: the AVX2 build adds the suffix _avx2."""
+    return name + ("_avx2" if (build or kernel()) is AVX2 else "")
+
+
 @functools.cache
 def _op(name: str, build: cpp_ops.Build):
-    """The op `name` of a build (the AVX2 build registers its ops with the suffix _avx2), resolved once."""
-    return getattr(torch.ops.specdeploy, name + ("_avx2" if build is AVX2 else ""))
+    """The op `name` of a build, resolved once."""
+    return getattr(torch.ops.specdeploy, op_name(name, build))
 
 
 def supports(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
