@@ -49,7 +49,10 @@ def op_name(name: str, build: cpp_ops.Build | None = None) -> str:
 
 @functools.cache
 def _op(name: str, build: cpp_ops.Build):
-    """The op `name` of a build, resolved once."""
+    """The op `name` of a build, built and loaded if need be (an explicit build, such as the AVX2 one the tests run
+    on AVX-512 CPUs, is not loaded by `kernel()`), resolved once."""
+    if not cpp_ops.loaded(build):
+        raise RuntimeError(f"the {build.library} kernel did not build on this machine (see the log)")
     return getattr(torch.ops.specdeploy, op_name(name, build))
 
 
