@@ -48,11 +48,11 @@ class FusedDenseLayers:
 
     def __init__(self, model):
         self.model = model
-        empty = torch.empty(0)
+        no_bias = torch.empty(0)
         self.weights = [t for layer in model.layers
                         for t in (layer["input_norm"], layer["post_norm"], layer["qkv"].weight,
-                                  _or(layer["qkv"].bias, empty), layer["o"].weight, layer["gate_up"].weight,
-                                  layer["down"].weight)]
+                                  no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
+                                  layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
@@ -79,7 +79,3 @@ def build(model) -> FusedDenseLayers | None:
 @functools.cache
 def _log_once(reason: str) -> None:
     log.info("fused dense layers off, the draft runs eager: %s", reason)
-
-
-def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if tensor is None else tensor

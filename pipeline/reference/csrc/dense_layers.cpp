@@ -6,14 +6,18 @@
 // -> SiLU * up -> down GEMM -> residual, then the final RMSNorm: the GEMMs are at::linear (the eager path's F.linear),
 // the attention is the row attention op named by `attention` (its AVX-512 or AVX2 build, pipeline/reference/
 // row_attention.py), everything else plain loops over the rows. The results are close to the eager layers', not
-// bit-equal (the RMSNorm sums in row order; tests/test_fused_layers.py). Python side: pipeline/reference/fused_layers.py.
+// bit-equal (the RMSNorm sums in row order; tests/test_fused_layers.py).
+// Python side: pipeline/reference/fused_layers.py.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -83,9 +87,27 @@ void add_(at::Tensor& x, const at::Tensor& y) {
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
 }
 
+// write_and_attend(q, k_new, v_new, new_slots, k, v, slots, starts, lengths, scale) -> [T, H * D]
+using AttendSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor, double);
+using AttendOp = c10::TypedOperatorHandle<AttendSignature>;
+
+// The write_and_attend op registered as `name`, looked up in the dispatcher once per name (not once per forward)
+AttendOp attend_op(const std::string& name) {
+  static std::mutex lock;
+  static std::unordered_map<std::string, AttendOp> ops;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = ops.find(name);
+  if (found == ops.end())
+    found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")
+                                  .typed<AttendSignature>()).first;
+  return found->second;
+}
+
 // x float32 [T, hidden] (the embeddings) through every layer and the final norm -> [T, hidden]. weights: 7 per layer
 // (TENSORS_PER_LAYER; float32, matrices in any layout at::linear takes); k, v: the caches [layers, slots, KVH, D];
-// new_slots [T] where the new tokens' KV goes; (slots, starts, lengths): the rows' keys as the row attention op takes them.
+// new_slots [T] where the new tokens' KV goes; (slots, starts, lengths): the rows' keys as the row attention op
+// takes them.
 at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
                         at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots,
                         at::Tensor starts, at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
@@ -98,14 +120,13 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == at::kFloat && (w.dim() == 2 || w.is_contiguous())),
                 "dense_layers: weights must be float32 (norms and biases contiguous)");
-  auto attend = c10::Dispatcher::singleton().findSchemaOrThrow(attention.c_str(), "")
-      .typed<at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                        at::Tensor, double)>();
+  const AttendOp attend = attend_op(attention);
   x = x.contiguous().clone();  // the residual stream, updated in place
   cos = cos.contiguous(), sin = sin.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * TENSORS_PER_LAYER;
-    at::Tensor qkv = w[3].numel() ? at::linear(rms_norm(x, w[0], eps), w[2], w[3]) : at::linear(rms_norm(x, w[0], eps), w[2]);
+    const std::optional<at::Tensor> bias = w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt;
+    const at::Tensor qkv = at::linear(rms_norm(x, w[0], eps), w[2], bias);
     at::Tensor q, kn, vn;
     rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
     at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
