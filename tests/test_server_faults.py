@@ -141,10 +141,15 @@ def _run_streams(client_url: str, requests: list[GenerateRequest], results: list
     return threads
 
 
-def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, derived_pair):
+def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, derived_pair, monkeypatch):
     """SIGKILL of the draft's stub during 6 streams: each finishes (falling back to the target, same
     greedy text) within the stall bound, later requests fall back at once, the BLS's metric and log
-    say so, and readiness/liveness fail unless serving.draft_failure is degraded."""
+    say so, and readiness/liveness fail unless serving.draft_failure is degraded.
+
+    The server starts with no C++ kernel built (a folder of its own): the builds run while the models load,
+    so a ready server answers its first requests within the stall bound (they ran in the first forward,
+    25-40 s, and the first request failed with "no response for 4 s")."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("kernels")))
     plan, _ = _fault_spec(tmp_path_factory, derived_pair, "dead-draft", stall_timeout_s=STALL_S)
     texts = prompts(6)
     with serving(plan) as (server, repo):

@@ -1,14 +1,16 @@
 """The project's C++ CPU kernels (pipeline/reference/csrc/), built where they are first used.
 
 Each source registers ops in the `specdeploy` namespace (`torch.ops.specdeploy`). torch's C++ extension loader
-compiles a source once per machine (gcc >= 11 and ninja, about 25 s; later processes load the cached library
-from ~/.cache/torch_extensions). A kernel that cannot be built is logged once and its caller keeps its fallback.
+compiles a source once per machine and torch install (gcc >= 11 and ninja, about 25 s; later processes load the cached
+library from ~/.cache/torch_extensions, one folder per build and torch install: `build_directory`). A kernel that
+cannot be built is logged once and its caller keeps its fallback.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 from contextlib import contextmanager
@@ -63,14 +65,35 @@ def loaded(build: Build) -> bool:
         pass
     name = f"specdeploy_{build.library}"
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load_inline
-        with _build_lock(Path(_get_build_directory(name, verbose=False))):
-            load_inline(name, cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()],
+        from torch.utils.cpp_extension import load_inline
+        folder = build_directory(build)
+        with _build_lock(folder):
+            load_inline(name, cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()], build_directory=str(folder),
                         extra_cflags=[*build.flags, *OPENMP], extra_ldflags=list(OPENMP), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
         log.warning("could not build the %s kernel (%s); its fallback runs", build.library, error)
         return False
     return True
+
+
+def build_directory(build: Build) -> Path:
+    """The folder of a build's cached library: torch's extension folder for it, suffixed with a hash of the torch
+    install and the flags it compiles against.
+
+    torch's own folder is named after the library alone, and its ninja file holds the include paths of the torch
+    that built it, so two checkouts (two virtual environments) rebuilt each other's library whenever they
+    alternated: about 25-40 s of compiling in the first forward of a served model, past a stall bound
+    (serving.stall_timeout_s) measured in seconds.
+    """
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
+
+    toolchain = "\n".join([str(Path(torch.__file__).resolve().parent), torch.__version__,
+                           sysconfig.get_path("include"), *build.flags, *OPENMP])
+    digest = hashlib.sha256(toolchain.encode()).hexdigest()[:10]
+    return Path(_get_build_directory(f"specdeploy_{build.library}-{digest}", verbose=False))
 
 
 @contextmanager

@@ -195,6 +195,10 @@ class LlamaModel(torch.nn.Module):
         sin = emb.sin().to(self.dtype)
         self.rope_signed_sin = torch.cat([-sin[:, :sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=-1)
         self.scale = 1.0 / math.sqrt(self.head_size)
+        # built (the first time on a machine and torch install, about 25 s) or loaded now, not in the first forward: a
+        # served model is ready once its first request runs at speed, within serving.stall_timeout_s
+        if self.dtype == torch.float32 and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size):
+            row_attention.kernel()
 
     # ---------------------------------------------------------------- loading
     @classmethod
