@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cstring>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -28,23 +29,40 @@ constexpr int64_t AMX_ROWS = 16;  // rows per AMX block
 // against 12-13 on VNNI at one row; with it 15.5 (distance 1: the same, 4: +0.5 ms, 8: +1.5; docs/benchmarks.md)
 constexpr int64_t AMX_PREFETCH = 2;
 
-// Rows [R, Kp] uint8 times one group's weights [K4, 64, 4] int8 -> acc[R][BLOCKS], exact int32 sums.
+// Rows [R, Kp] uint8 times one group's weights [K4, 64, 4] int8 -> sums [R, 64], exact int32 sums.
+// The loops over rows and blocks are unrolled by pragma: without it gcc 12 kept the accumulator array in memory as
+// well as in registers and stored all 4R accumulators to the stack on every k quad (24 stores and 48 moves per 24
+// dot products at 6 rows), so a 6-row call ran at 66-73 GMAC/s where 3 rows reached 95 (one Zen4 core, SmolLM2's
+// gate_up; docs/benchmarks.md).
 template <int R>
-void group_sums(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, __m512i acc[R][BLOCKS]) {
+void group_sums(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, int32_t* sums) {
+  __m512i acc[R][BLOCKS];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < K4; ++k4) {
     const int8_t* wk = w + k4 * GROUP * 4;
     // 32 k quads (8 KB) ahead: 8.7-8.8 ms over SmolLM2's layer matrices at one row against 9.1-9.2 for 16 quads,
     // 8.8-8.9 for 48-64 and 10.4 without software prefetch (one thread, cold cache)
+#pragma GCC unroll 4
     for (int b = 0; b < BLOCKS; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 32 * GROUP * 4 + 64 * b), _MM_HINT_T0);
     __m512i wv[BLOCKS];
+#pragma GCC unroll 4
     for (int b = 0; b < BLOCKS; ++b) wv[b] = _mm512_loadu_si512(wk + 64 * b);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * Kp + k4 * 4));
+      int32_t quad;  // the row's 4 grid values of this k quad
+      std::memcpy(&quad, xq + r * Kp + k4 * 4, 4);
+      const __m512i a = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
       for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], a, wv[b]);
     }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < BLOCKS; ++b) _mm512_store_si512(sums + r * GROUP + 16 * b, acc[r][b]);
 }
 
 // out[r, n0 + j] = float(sums[r, j] - offset[n0 + j]) * multiplier[n0 + j] for R rows of one group's 64 channels
@@ -68,11 +86,8 @@ void epilogue(const int32_t* sums, int64_t R, const int32_t* offset, const float
 template <int R>
 void group_rows(const uint8_t* xq, int64_t Kp, const int8_t* w, int64_t K4, const int32_t* offset,
                 const float* multiplier, float* out, int64_t N, int64_t n0) {
-  __m512i acc[R][BLOCKS];
-  group_sums<R>(xq, Kp, w, K4, acc);
   alignas(64) int32_t sums[R * GROUP];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < BLOCKS; ++b) _mm512_store_si512(sums + r * GROUP + 16 * b, acc[r][b]);
+  group_sums<R>(xq, Kp, w, K4, sums);
   epilogue(sums, R, offset, multiplier, out, N, n0);
 }
 
