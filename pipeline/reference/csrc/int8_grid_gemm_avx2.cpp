@@ -28,7 +28,9 @@ constexpr int64_t PREFETCH_BYTES = 1024;
 template <int R>
 void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* offset, const float* multiplier,
                 float* out, int64_t N, int64_t n0) {
+  // the loops over rows unrolled by pragma, as in int8_grid_gemm.cpp: gcc 12 otherwise kept accumulators on the stack
   __m256i acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   const int64_t K4 = Kp / 4;
   for (int64_t k4 = 0; k4 < K4; ++k4) {
@@ -36,6 +38,7 @@ void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* o
     if ((k4 & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH_BYTES), _MM_HINT_T0);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16)));
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       // the row's 4 grid values of this quad, repeated for the 4 channels of a half
       const __m256i a = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(xs + r * Kp + k4 * 4));
@@ -48,6 +51,7 @@ void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* o
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(valid)), lanes);
   const __m256i off = _mm256_maskload_epi32(offset + n0, mask);
   const __m256 mul = _mm256_maskload_ps(multiplier + n0, mask);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     // hadd: (c0, c1, c4, c5 | c2, c3, c6, c7); the permute puts the 64-bit pairs in channel order
     const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
