@@ -18,7 +18,8 @@ from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.linear import (OUTPUT_LAYER_THREADS, SCREEN_ROWS, DenseLinear, Float16Weights, Int8PerToken,
-                                       Int8WeightOnly, ScreenedOutputLayer, intra_op_threads, output_layer_16bit)
+                                       Int8WeightOnly, ScreenedOutputLayer, intra_op_threads, output_layer_16bit,
+                                       screen_gemm)
 from pipeline.reference.proposers import NgramProposer
 from pipeline.spec import load_spec
 from tests.test_speculative import drive, prompts
@@ -97,8 +98,8 @@ def test_fp16_weight_kernel_is_row_invariant():
     assert kernel.nbytes == w.numel() * 2
 
 
-AMX = torch.cpu._is_amx_tile_supported()
-needs_amx = pytest.mark.skipif(not AMX, reason="ScreenedOutputLayer runs where the CPU has AMX (else Float16Weights)")
+SCREEN = screen_gemm()  # "onednn" with AMX, "kernel" with AVX512-BF16, None: the output layer is Float16Weights
+needs_screen = pytest.mark.skipif(SCREEN is None, reason="ScreenedOutputLayer runs where the CPU has AMX or AVX512-BF16")
 
 
 def exact_logits(x, w):
@@ -106,13 +107,13 @@ def exact_logits(x, w):
     return (x.double() @ w.half().double().T).float()
 
 
-@needs_amx
+@needs_screen
 def test_screened_output_layer_picks_the_exact_argmax_among_near_ties():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(3000, 64, generator=g) * 0.2
     # 12 tokens whose weights differ below bf16's resolution: their bf16 logits tie, their exact ones do not
     w[2890:2902] = w[2890] + torch.randn(12, 64, generator=g) * 1e-4  # past the last whole 256-token block
-    layer = ScreenedOutputLayer(w)
+    layer = ScreenedOutputLayer(w, SCREEN)
     x = torch.randn(200, 64, generator=g) * 4
     x[:100] = w[2890] * 30 + torch.randn(100, 64, generator=g) * 0.1  # rows whose top is among the near ties
     out, exact = layer(x), exact_logits(x, w)
@@ -126,10 +127,10 @@ def test_screened_output_layer_picks_the_exact_argmax_among_near_ties():
     assert ((out - exact).abs().amax(dim=1) > 0).all()  # away from the top, logits are bf16's
 
 
-@needs_amx
+@needs_screen
 def test_screened_output_layer_is_batch_invariant_past_one_gemm_call():
     w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(8)) * 0.2
-    layer = ScreenedOutputLayer(w)
+    layer = ScreenedOutputLayer(w, SCREEN)
     x = torch.randn(SCREEN_ROWS + 9, 64, generator=torch.Generator().manual_seed(9)) * 4
     alone = torch.cat([layer(x[r:r + 1]) for r in range(len(x))])
     for n in (2, 6, 16, SCREEN_ROWS, SCREEN_ROWS + 9):
@@ -138,7 +139,7 @@ def test_screened_output_layer_is_batch_invariant_past_one_gemm_call():
     assert layer.nbytes == w.numel() * 2
 
 
-@needs_amx
+@needs_screen
 def test_the_screened_output_layer_runs_its_gemm_on_two_threads_with_the_same_bits():
     """output_layer_16bit gives the screened layer's bf16 GEMM OUTPUT_LAYER_THREADS threads where the machine has
     them: the logits equal one thread's, and a row's equal its logits alone."""
@@ -188,7 +189,7 @@ def test_int8_engines_load_int8_kernels(int8_engines, qformat, kernel_cls):
     engine = LLMEngine.from_engine_dir(int8_engines[qformat])
     layer = engine.model.layers[0]
     assert all(isinstance(layer[k], kernel_cls) for k in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(engine.model.lm_head_linear, ScreenedOutputLayer if AMX else Float16Weights)
+    assert isinstance(engine.model.lm_head_linear, ScreenedOutputLayer if SCREEN else Float16Weights)
     _config, dense = load_engine(int8_engines[qformat])  # dequantized: what the model ran before the int8 kernels
     fp32_body = sum(dense[k].numel() * 4 for k in dense if k.startswith("model.layers.") and k.endswith("_proj.weight"))
     int8_body = sum(lyr[k].nbytes for lyr in engine.model.layers for k in ("qkv", "o", "gate_up", "down"))
@@ -206,7 +207,7 @@ def generate(engine_dir, requests, proposer=None, stagger=False):
 def test_float16_engines_run_fp16_weight_kernels(int8_engines):
     model = LLMEngine.from_engine_dir(int8_engines["float16"]).model
     assert all(isinstance(model.layers[0][k], Float16Weights) for k in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(model.lm_head_linear, ScreenedOutputLayer if AMX else Float16Weights)
+    assert isinstance(model.lm_head_linear, ScreenedOutputLayer if SCREEN else Float16Weights)
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +238,7 @@ def test_bench_kernels_times_each_output_layer(int8_engines, derived_pair, capsy
     from pipeline.apps.bench_kernels import bench_model
 
     engine = str(int8_engines["int8_sq"])
-    outs = ["screened", "fp16"] if AMX else ["fp16"]
+    outs = ["screened", "fp16"] if SCREEN else ["fp16"]
     bench_model([engine], reps=1, threads=[1], layer_modes=["eager"], output_layers=outs,
                 tokenizer_dir=str(derived_pair[0]), context=32, new=3, batch=2)
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {engine} | eager |")]

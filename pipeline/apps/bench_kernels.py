@@ -38,7 +38,8 @@ from pipeline.apps.host import cpu_summary
 from pipeline.reference import int8_grid_gemm
 from pipeline.reference.checkpoint import quantize_int8
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
-                                      Int8WeightOnly, ScreenedOutputLayer, bf16_gemm, scale_rows, wide_layout)
+                                      Int8WeightOnly, ScreenedOutputLayer, bf16_gemm, scale_rows, screen_gemm,
+                                      wide_layout)
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
 ROWS = (1, 2, 4, 6, 8, 16)
@@ -256,8 +257,9 @@ def output_layer_variants(model, names: list[str]) -> dict:
     loaded = model.lm_head_linear
     if isinstance(loaded, DenseLinear):
         return {"fp32": loaded}
-    kinds = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
-    return {name: loaded if type(loaded) is kinds[name] else kinds[name](model.lm_head) for name in names}
+    kinds = {"screened": lambda w: ScreenedOutputLayer(w, screen_gemm()), "fp16": Float16Weights}
+    types = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
+    return {name: loaded if type(loaded) is types[name] else kinds[name](model.lm_head) for name in names}
 
 
 def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str],
@@ -375,8 +377,9 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--threads", default="1,2", help="torch thread counts for part 2 (default 1,2; part 1 runs on the first)")
     parser.add_argument("--tokenizer", help="part 2's context: local text tokenized with this tokenizer (default: synthetic ids)")
-    parser.add_argument("--output-layers", default="screened,fp16" if torch.cpu._is_amx_tile_supported() else "fp16",
-                        help="part 2's 16-bit output layers: screened (bf16 + exact top, needs AMX), fp16 (fbgemm)")
+    parser.add_argument("--output-layers", default="screened,fp16" if screen_gemm() else "fp16",
+                        help="part 2's 16-bit output layers: screened (bf16 + exact top, needs AMX or AVX512-BF16), "
+                             "fp16")
     parser.add_argument("--modes", default="eager,compiled",
                         help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
     parser.add_argument("--context", type=int, default=128,

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference import fp16_weight_gemm, int8_grid_gemm
+from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm, int8_grid_gemm
 from pipeline.reference.int8_grid_gemm import PackedInt8
 
 INT8_MAX = 127.0
@@ -209,10 +209,13 @@ class ScreenedOutputLayer:
     """The output layer x [R, H] @ W16^T with fp16 weights W16 [V, H]: bf16 logits, exact near each row's top.
 
     fbgemm's fp16 GEMM (Float16Weights) grows with the rows: 2.8 / 7.2 / 16.6 ms for 1 / 6 / 16 rows on
-    SmolLM2's [49152, 576] (one thread, AMX machine), the part of a verify that grows most. oneDNN's bf16
-    GEMM on AMX tiles takes 2.6-5 ms for 1 to 32 rows, but it rounds x and W to bf16 and returns bf16
-    logits (8 significant bits: ties in the greedy argmax). So per row x (all in float32 unless said):
-      approx_c = bf16(bf16(x) . bf16(W16_c))        every token c, fp32 sums inside
+    SmolLM2's [49152, 576] (one thread, AMX machine), the part of a verify that grows most. A bf16 GEMM does
+    twice the multiply-adds per instruction, but it rounds x and W to bf16. Two such GEMMs (`gemm`):
+    "onednn", oneDNN's on AMX tiles (2.6-5 ms for 1 to 32 rows there), which also returns bf16 logits (8
+    significant bits: ties in the greedy argmax); "kernel", the project's AVX512-BF16 kernel
+    (`bf16_weight_gemm`, CPUs without AMX such as AMD Zen4), which returns the float32 sums. So per row x (all in
+    float32 unless said):
+      approx_c = bf16(bf16(x) . bf16(W16_c))        every token c, fp32 sums inside (no outer bf16: "kernel")
       exact_c  = fp32(x . W16_c summed in float64)  the products are exact in float64; rounded once
       |approx_c - exact_c| <= bound                 one bound per row, derived in `_bound`
     Every token whose approx lies within 2 * bound of the row's largest approx is a candidate, and its
@@ -225,11 +228,16 @@ class ScreenedOutputLayer:
 
     batch_invariant = True
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, gemm: str = "onednn"):
+        if gemm not in ("onednn", "kernel"):
+            raise ValueError(f"gemm {gemm!r}: write onednn or kernel")
         self.weight16 = weight.half().contiguous()  # [V, H]: the exact logits' weights, as Float16Weights reads them
         w16 = self.weight16.float()
         wb = w16.bfloat16()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, 6)  # the row hint does not change the bits
+        # the approximate GEMM: oneDNN's (weights packed for it; the row hint does not change the bits) or the kernel
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, 6) if gemm == "onednn" else None
+        self.kernel = bf16_weight_gemm.PackedBFloat16(self.weight16) if gemm == "kernel" else None
+        self.output_rounding = 2**-8 if gemm == "onednn" else 0.0  # oneDNN rounds the logits to bf16
         wb = wb.float()
         self.max_norm = wb.norm(dim=1).max().item()  # max_c ||bf16(W16_c)||
         self.max_rounding_norm = (w16 - wb).norm(dim=1).max().item()  # max_c ||bf16(W16_c) - W16_c||
@@ -239,14 +247,14 @@ class ScreenedOutputLayer:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if x.shape[0] <= SCREEN_ROWS:
+        if x.shape[0] <= SCREEN_ROWS or self.kernel is not None:
             return self._screened(x)
         return torch.cat([self._screened(x[i:i + SCREEN_ROWS]) for i in range(0, x.shape[0], SCREEN_ROWS)])
 
     def _screened(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.bfloat16()
         with intra_op_threads(self.threads):
-            logits = bf16_gemm(xb, self.packed).float()  # [R, V] approx
+            logits = self._gemm(xb).float()  # [R, V] approx
         top = logits.amax(dim=1)  # [R]
         magnitude = torch.maximum(top.abs(), logits.amin(dim=1).abs())  # [R] max_c |approx_c|
         bound = self._bound(x, xb.float(), magnitude)  # [R]
@@ -259,29 +267,36 @@ class ScreenedOutputLayer:
 
         approx_c - true_c = x . dW_c + dx . bf16(W16_c)  (dW, dx: the bf16 rounding of the weights and of x)
                           + the fp32 sums' error          (<= gamma * sum_i |xb_i W_ci|)
-                          + the bf16 rounding of the sum  (<= 2^-8 |sum| <= 2^-8 / (1 - 2^-8) max_c |approx_c|)
+                          + oneDNN's bf16 rounding of the sum (<= 2^-8 |sum| <= 2^-8 / (1 - 2^-8) max_c |approx_c|)
+                          + products flushed to zero (vdpbf16ps flushes denormals: < 2^-126 each, H of them)
         and exact_c - true_c <= 2^-24 |true_c| (rounded once). Cauchy-Schwarz bounds each dot product by
         the norms, the weights' norms by their maximum over c; the factors carry some slack.
         """
         norm, rounding_norm = x.norm(dim=1), (x - xb).norm(dim=1)  # ||xb|| <= norm + rounding_norm
         weights = (norm * self.max_rounding_norm + rounding_norm * self.max_norm
                    + self.gamma * (norm + rounding_norm) * self.max_norm)
-        return weights * 1.01 + magnitude * (2**-8 * 1.01 + 2**-22)
+        flushed = self.weight16.shape[1] * 2**-125
+        return weights * 1.01 + magnitude * (self.output_rounding * 1.01 + 2**-22) + flushed
+
+    def _gemm(self, xb: torch.Tensor) -> torch.Tensor:
+        """xb [R, H] bf16 -> the approximate logits [R, V]: bf16 from oneDNN, float32 from the kernel."""
+        return bf16_gemm(xb, self.packed) if self.kernel is None else self.kernel(xb)
 
     def rows_invariant(self, threads: int = 1) -> bool:
-        """Whether oneDNN's bf16 GEMM on `threads` threads gives rows the same bits alone as in calls of up to
+        """Whether the bf16 GEMM on `threads` threads gives rows the same bits alone as in calls of up to
         SCREEN_ROWS rows, and as on one thread, here.
 
-        Measured with torch 2.13 on one AMX machine, so checked again where the layer is built (about 15 ms).
+        oneDNN's: measured with torch 2.13 on one AMX machine, so checked again where the layer is built (about
+        15 ms); the kernel's by construction (one fixed chain per output), checked the same way.
         """
         x = torch.randn(SCREEN_ROWS, self.weight16.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
         picked = (0, 5, SCREEN_ROWS - 1)
         with intra_op_threads(1):
-            single = [bf16_gemm(x[r:r + 1], self.packed) for r in picked]
+            single = [self._gemm(x[r:r + 1]) for r in picked]
         with intra_op_threads(threads):
-            full = bf16_gemm(x, self.packed)
-            six = bf16_gemm(x[:6], self.packed)
-            alone = single if threads == 1 else [bf16_gemm(x[r:r + 1], self.packed) for r in picked]
+            full = self._gemm(x)
+            six = self._gemm(x[:6])
+            alone = single if threads == 1 else [self._gemm(x[r:r + 1]) for r in picked]
         rows = [full[r:r + 1] for r in picked]
         return torch.equal(six, full[:6]) and all(map(torch.equal, single + alone, rows + rows))
 
@@ -314,18 +329,29 @@ def candidates(logits: torch.Tensor, threshold: torch.Tensor, block: int = 256) 
     return torch.cat([rows, tail_rows]), torch.cat([cols, tail_cols + whole * block])
 
 
-def output_layer_16bit(weight: torch.Tensor):
-    """The kernel for an output layer kept in 16 bits: ScreenedOutputLayer with AMX, else Float16Weights.
+def screen_gemm() -> str | None:
+    """The bf16 GEMM ScreenedOutputLayer runs on here: "onednn" where the CPU has AMX, "kernel" where it has
+    AVX512-BF16 (and the kernel builds), else None (no screened output layer)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "onednn"
+    return "kernel" if bf16_weight_gemm.kernel() is not None else None
 
-    Without AMX, oneDNN's bf16 GEMM is emulated or runs on AVX-512 bf16 (not measured for batch invariance);
-    where its rows turn out not to be batch-invariant, Float16Weights too (with a warning). The screened
-    layer's GEMM runs on OUTPUT_LAYER_THREADS threads where the machine has them and the bits stay.
+
+def output_layer_16bit(weight: torch.Tensor):
+    """The kernel for an output layer kept in 16 bits: ScreenedOutputLayer on oneDNN's bf16 GEMM with AMX, on the
+    project's bf16 kernel with AVX512-BF16 (Zen4: 0.4-0.6x the fp16 kernel's time at 1 to 40 rows, logits exact at
+    each row's top; docs/benchmarks.md), else Float16Weights.
+
+    Where the screened layer's rows turn out not to be batch-invariant, Float16Weights too (with a warning). Its
+    GEMM runs on OUTPUT_LAYER_THREADS threads where the machine has them and the bits stay.
     """
-    if not torch.cpu._is_amx_tile_supported():
+    gemm = screen_gemm()
+    if gemm is None:
         return Float16Weights(weight)
-    screened = ScreenedOutputLayer(weight)
+    screened = ScreenedOutputLayer(weight, gemm)
     if not screened.rows_invariant():
-        warnings.warn("oneDNN's bf16 GEMM is not batch-invariant on this host; the output layer runs fbgemm's fp16 GEMM")
+        warnings.warn(f"the screened output layer's bf16 GEMM ({gemm}) is not batch-invariant on this host; "
+                      "the output layer runs the fp16 GEMM")
         return Float16Weights(weight)
     if (os.cpu_count() or 1) >= OUTPUT_LAYER_THREADS and screened.rows_invariant(OUTPUT_LAYER_THREADS):
         screened.threads = OUTPUT_LAYER_THREADS
