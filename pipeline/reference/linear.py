@@ -339,8 +339,9 @@ def screen_gemm() -> str | None:
 
 def output_layer_16bit(weight: torch.Tensor):
     """The kernel for an output layer kept in 16 bits: ScreenedOutputLayer on oneDNN's bf16 GEMM with AMX, on the
-    project's bf16 kernel with AVX512-BF16 (Zen4: 0.4-0.6x the fp16 kernel's time at 1 to 40 rows, logits exact at
-    each row's top; docs/benchmarks.md), else Float16Weights.
+    project's bf16 kernel with AVX512-BF16 (Zen4: the layer alone 0.4-0.6x the fp16 kernel's time at 1 to 40 rows
+    with its weights in cache; in a SmolLM2 step about equal at one row, a 6-token verify 4-26% cheaper;
+    docs/benchmarks.md), else Float16Weights.
 
     Where the screened layer's rows turn out not to be batch-invariant, Float16Weights too (with a warning). Its
     GEMM runs on OUTPUT_LAYER_THREADS threads where the machine has them and the bits stay.
