@@ -90,6 +90,15 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def answers_200(url: str) -> bool:
+    """Whether a GET of `url` answers 200 within 2 s (False on any connection error)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
 def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct ports that are free right now (for tests and side-by-side servers)."""
     socks = []
@@ -182,7 +191,9 @@ class TritonServer:
         ]
 
     def start(self) -> "TritonServer":
-        """Start the server and wait until every model is ready; raises ServerError with the log tail."""
+        """Start the server and wait until every model is ready and the metrics endpoint answers (Triton starts it
+        after HTTP and gRPC: a test read it in that gap and got "connection refused"); raises ServerError with the
+        log tail."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist; fix: run `make repo` first")
         for name in ("http_port", "grpc_port", "metrics_port"):
@@ -206,7 +217,7 @@ class TritonServer:
             if fatal:
                 self.stop()
                 raise ServerError(f"tritonserver failed: {fatal}\n{self.log_tail()}")
-            if self.is_ready() and self.process.poll() is None:
+            if self.is_ready() and self.metrics_up() and self.process.poll() is None:
                 return self
             time.sleep(0.25)
         self.stop()
@@ -214,11 +225,11 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """True when /v2/health/ready answers 200 (all models loaded)."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+        return answers_200(f"http://{self.http_url}/v2/health/ready")
+
+    def metrics_up(self) -> bool:
+        """True when the Prometheus endpoint answers 200."""
+        return answers_200(self.metrics_url)
 
     def stop(self) -> None:
         """Stop the server (SIGINT, then SIGKILL after a grace period) and remove its shared memory."""
