@@ -232,14 +232,28 @@ class TritonServer:
         return answers_200(self.metrics_url)
 
     def stop(self) -> None:
-        """Stop the server (SIGINT, then SIGKILL after a grace period) and remove its shared memory."""
-        if self.process is not None and self.process.poll() is None:
+        """Stop the server (SIGINT, then SIGKILL after a grace period), then any python stub it left running, and
+        remove its shared memory.
+
+        Triton gives its models `--exit-timeout-secs` to unload and then exits "immediately", and a stub may live on:
+        two `tensorrt_llm` stubs whose first forward was building a kernel when their servers stopped (the failing
+        dead-draft test, 2026-12-04) were still running, orphaned, two hours later. The stubs share the server's
+        process group, which the server leads (start_new_session), so whatever is left in the group once the server
+        has exited is killed. (A stub stopped with SIGSTOP did not reproduce it: Triton killed that one itself.)
+        """
+        if self.process is None:
+            return
+        if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
             try:
                 self.process.wait(timeout=45)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # stubs left behind, if any
+        except ProcessLookupError:
+            pass  # the group is empty: every stub exited with the server
         self._cleanup_shm()
 
     def log_tail(self, lines: int = 40) -> str:
