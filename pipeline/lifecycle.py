@@ -44,7 +44,8 @@ class Endpoints:
     draft_failure: str = "restart"  # serving.draft_failure
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """(HTTP status, body) of a GET of `url`; status 0 when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, resp.read().decode(errors="replace")
@@ -95,7 +96,7 @@ def models_down(metrics_text: str) -> set[str]:
 
 def in_flight(metrics_url: str) -> int:
     """Requests the text models (BLS, ensemble) are serving now; 0 when the server does not answer."""
-    status, text = _get(metrics_url)
+    status, text = http_get(metrics_url)
     if status != 200:
         return 0
     return int(sum(float(v) for v in re.findall(IN_FLIGHT_METRIC + r"\{[^}]*\} (\S+)", text)))
@@ -105,14 +106,14 @@ def check(ep: Endpoints, live_only: bool = False) -> list[str]:
     """Why the server is not live (live_only) or not ready; an empty list means it is."""
     reasons = []
     tolerated = {DRAFT_MODEL} if ep.draft_failure == "degraded" else set()
-    status, _ = _get(f"http://{ep.http_url}/v2/health/live")
+    status, _ = http_get(f"http://{ep.http_url}/v2/health/live")
     if status != 200:
         return [f"Triton does not answer /v2/health/live at {ep.http_url}"]
     have = stub_pids(ep.repo)
     for model, count in sorted(expected_stubs(ep.repo).items()):
         if len(have.get(model, [])) < count and model not in tolerated:
             reasons.append(f"the python stub of {model} is not running ({len(have.get(model, []))} of {count})")
-    status, text = _get(ep.metrics_url)
+    status, text = http_get(ep.metrics_url)
     for model in sorted(models_down(text) - tolerated):
         reasons.append(f"{BLS_MODEL} reports {model} down")
     if live_only:
@@ -120,7 +121,7 @@ def check(ep: Endpoints, live_only: bool = False) -> list[str]:
     state = read_state(ep.drain_file)
     if state != SERVING:
         reasons.append(f"shutting down ({state})")
-    status, _ = _get(f"http://{ep.http_url}/v2/health/ready")
+    status, _ = http_get(f"http://{ep.http_url}/v2/health/ready")
     if status != 200:
         reasons.append("Triton is not ready (/v2/health/ready)")
     return reasons

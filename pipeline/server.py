@@ -27,13 +27,12 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
+from pipeline.lifecycle import http_get
 from pipeline.serving.drain import DRAIN_ENV, SERVING, drain_path, write_state
 
 # The stub ignores PYTHONPATH but puts its working directory on sys.path: models import `pipeline`
@@ -88,15 +87,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def answers_200(url: str) -> bool:
-    """Whether a GET of `url` answers 200 within 2 s (False on any connection error)."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
 
 
 def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
@@ -225,11 +215,11 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """True when /v2/health/ready answers 200 (all models loaded)."""
-        return answers_200(f"http://{self.http_url}/v2/health/ready")
+        return http_get(f"http://{self.http_url}/v2/health/ready")[0] == 200
 
     def metrics_up(self) -> bool:
         """True when the Prometheus endpoint answers 200."""
-        return answers_200(self.metrics_url)
+        return http_get(self.metrics_url)[0] == 200
 
     def stop(self) -> None:
         """Stop the server (SIGINT, then SIGKILL after a grace period), then any python stub it left running, and

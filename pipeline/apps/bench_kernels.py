@@ -257,9 +257,8 @@ def output_layer_variants(model, names: list[str]) -> dict:
     loaded = model.lm_head_linear
     if isinstance(loaded, DenseLinear):
         return {"fp32": loaded}
-    kinds = {"screened": lambda w: ScreenedOutputLayer(w, screen_gemm()), "fp16": Float16Weights}
-    types = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
-    return {name: loaded if type(loaded) is types[name] else kinds[name](model.lm_head) for name in names}
+    kinds = {"screened": ScreenedOutputLayer, "fp16": Float16Weights}
+    return {name: loaded if type(loaded) is kinds[name] else kinds[name](model.lm_head) for name in names}
 
 
 def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str],

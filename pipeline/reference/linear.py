@@ -228,9 +228,10 @@ class ScreenedOutputLayer:
 
     batch_invariant = True
 
-    def __init__(self, weight: torch.Tensor, gemm: str = "onednn"):
+    def __init__(self, weight: torch.Tensor, gemm: str | None = None):
+        gemm = gemm or screen_gemm()  # default: the one this CPU runs
         if gemm not in ("onednn", "kernel"):
-            raise ValueError(f"gemm {gemm!r}: write onednn or kernel")
+            raise ValueError(f"gemm {gemm!r}: write onednn or kernel (this CPU has neither AMX nor AVX512-BF16)")
         self.weight16 = weight.half().contiguous()  # [V, H]: the exact logits' weights, as Float16Weights reads them
         w16 = self.weight16.float()
         wb = w16.bfloat16()
@@ -243,6 +244,7 @@ class ScreenedOutputLayer:
         self.max_rounding_norm = (w16 - wb).norm(dim=1).max().item()  # max_c ||bf16(W16_c) - W16_c||
         n_u = weight.shape[1] * FP32_UNIT_ROUNDOFF
         self.gamma = n_u / (1 - n_u)  # the relative error of H fp32 additions in any order
+        self.flushed = weight.shape[1] * 2**-125  # H products flushed to zero by vdpbf16ps, each below 2^-126
         self.threads = 1  # the bf16 GEMM's threads (output_layer_16bit raises it where the bits allow)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,8 +277,7 @@ class ScreenedOutputLayer:
         norm, rounding_norm = x.norm(dim=1), (x - xb).norm(dim=1)  # ||xb|| <= norm + rounding_norm
         weights = (norm * self.max_rounding_norm + rounding_norm * self.max_norm
                    + self.gamma * (norm + rounding_norm) * self.max_norm)
-        flushed = self.weight16.shape[1] * 2**-125
-        return weights * 1.01 + magnitude * (self.output_rounding * 1.01 + 2**-22) + flushed
+        return weights * 1.01 + magnitude * (self.output_rounding * 1.01 + 2**-22) + self.flushed
 
     def _gemm(self, xb: torch.Tensor) -> torch.Tensor:
         """xb [R, H] bf16 -> the approximate logits [R, V]: bf16 from oneDNN, float32 from the kernel."""

@@ -68,8 +68,8 @@ at::Tensor bf16_weight_gemm(at::Tensor xb, at::Tensor packed, int64_t out_featur
               && packed.size(0) * GROUP >= out_features, "bf16_weight_gemm: the weight must come from bf16_weight_gemm.pack");
   const int64_t M = xb.size(0), K = xb.size(1), N = out_features, G = packed.size(0), K2 = packed.size(1), Kp = 2 * K2;
   TORCH_CHECK((K + 1) / 2 == K2, "bf16_weight_gemm: x has ", K, " columns, the weight ", 2 * K2, " (padded)");
-  auto x = at::zeros({M, Kp}, xb.options());  // padded to whole k pairs: the padding's weights are 0
-  x.narrow(1, 0, K).copy_(xb);
+  // whole k pairs: an odd K gets a zero column (its weights are 0 too)
+  at::Tensor x = Kp == K ? xb.contiguous() : at::constant_pad_nd(xb, {0, 1});
   auto out = at::empty({M, N}, xb.options().dtype(at::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
