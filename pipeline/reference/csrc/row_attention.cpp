@@ -91,18 +91,41 @@ constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 va
 // then + 4, then + 2, then + 1), then times scale.
 template <int P>
 void qk_block(const float* const* q, const float* kt, int64_t chunks, float scale, __mmask16 mask, float* const* s) {
-  auto lane = [&](int p, int l) {  // lane l's sums of pair p, for the 16 keys
-    __m512 x = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c)
-      x = _mm512_fmadd_ps(_mm512_set1_ps(q[p][c * LANES + l]), _mm512_load_ps(kt + (c * LANES + l) * LANES), x);
-    return x;
+  // lanes l and l + 8 of every pair at once: one load of each transposed key column serves the P pairs, and the
+  // 2P chains (each over the chunks in order, from 0, as lane(p, l) above) keep the FMA units busy
+  auto two_lanes = [&](int l, __m512* sum) {
+    __m512 a[P], b[P];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) a[p] = _mm512_setzero_ps(), b[p] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 ka = _mm512_load_ps(kt + (c * LANES + l) * LANES), kb = _mm512_load_ps(kt + (c * LANES + l + 8) * LANES);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        a[p] = _mm512_fmadd_ps(_mm512_set1_ps(q[p][c * LANES + l]), ka, a[p]);
+        b[p] = _mm512_fmadd_ps(_mm512_set1_ps(q[p][c * LANES + l + 8]), kb, b[p]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) sum[p] = _mm512_add_ps(a[p], b[p]);
   };
-  __m512 quarter[P][4];  // lanes i + (i + 8) + (i + 4) + (i + 12), as the tree adds them
-  for (int i = 0; i < 4; ++i)
-    for (int p = 0; p < P; ++p)
-      quarter[p][i] = _mm512_add_ps(_mm512_add_ps(lane(p, i), lane(p, i + 8)), _mm512_add_ps(lane(p, i + 4), lane(p, i + 12)));
+  // quarter i = (lane i + lane i + 8) + (lane i + 4 + lane i + 12); the sum = (quarter 0 + quarter 2) + (quarter 1 + quarter 3)
+  auto quarter = [&](int i, __m512* out) {
+    __m512 x[P], y[P];
+    two_lanes(i, x);
+    two_lanes(i + 4, y);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) out[p] = _mm512_add_ps(x[p], y[p]);
+  };
+  __m512 q0[P], q2[P], s02[P];
+  quarter(0, q0);
+  quarter(2, q2);
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) s02[p] = _mm512_add_ps(q0[p], q2[p]);
+  quarter(1, q0);
+  quarter(3, q2);
+#pragma GCC unroll 8
   for (int p = 0; p < P; ++p) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(quarter[p][0], quarter[p][2]), _mm512_add_ps(quarter[p][1], quarter[p][3]));
+    const __m512 sum = _mm512_add_ps(s02[p], _mm512_add_ps(q0[p], q2[p]));
     _mm512_mask_storeu_ps(s[p], mask, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
   }
 }
@@ -112,24 +135,46 @@ void qk_block(const float* const* q, const float* kt, int64_t chunks, float scal
 template <int P>
 void pv_block(const float* const* e, const int64_t* len, const float* inv_sum, const float* v, const int64_t* slots,
               int64_t kv_stride, int64_t c0, int64_t cn, float* const* out) {
-  int64_t longest = 0;
-  for (int p = 0; p < P; ++p) longest = std::max(longest, len[p]);
+  int64_t shortest = len[0], longest = len[0];
+  for (int p = 1; p < P; ++p) shortest = std::min(shortest, len[p]), longest = std::max(longest, len[p]);
   __m512 acc[P][4];
+#pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < longest; ++j) {
+  const __mmask16 m[4] = {__mmask16(cn > 0 ? 0xFFFF : 0), __mmask16(cn > 1 ? 0xFFFF : 0), __mmask16(cn > 2 ? 0xFFFF : 0),
+                          __mmask16(cn > 3 ? 0xFFFF : 0)};
+  // every pair takes keys [0, shortest): no per-pair test in the loop (the accumulators stay in registers)
+  for (int64_t j = 0; j < shortest; ++j) {
     const float* vj = v + slots[j] * kv_stride + c0 * LANES;
     __m512 vc[4];
-    for (int c = 0; c < 4; ++c) vc[c] = c < cn ? _mm512_loadu_ps(vj + c * LANES) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) vc[c] = _mm512_maskz_loadu_ps(m[c], vj + c * LANES);
+#pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      if (j >= len[p]) continue;
       const __m512 w = _mm512_set1_ps(e[p][j]);
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_fmadd_ps(w, vc[c], acc[p][c]);
     }
   }
+  for (int64_t j = shortest; j < longest; ++j) {  // the longer rows' last keys
+    const float* vj = v + slots[j] * kv_stride + c0 * LANES;
+    __m512 vc[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) vc[c] = _mm512_maskz_loadu_ps(m[c], vj + c * LANES);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      if (j >= len[p]) continue;
+      const __m512 w = _mm512_set1_ps(e[p][j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_fmadd_ps(w, vc[c], acc[p][c]);
+    }
+  }
+#pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
-    for (int c = 0; c < cn; ++c)
-      _mm512_storeu_ps(out[p] + (c0 + c) * LANES, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv_sum[p])));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)  // constant indices: a runtime one would keep acc in memory
+      if (c < cn) _mm512_storeu_ps(out[p] + (c0 + c) * LANES, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv_sum[p])));
 }
 
 // n (row, query head) pairs over one KV head: pair p's query q[p] [D] attends over the keys at slots[0 : len[p]],
