@@ -155,3 +155,26 @@ def test_the_model_takes_the_kernel_for_batch_invariant_float32_forwards_close_t
     sdpa_verify, sdpa_steps = run()
     assert not calls and torch.equal(sdpa_verify, sdpa_steps)
     assert torch.allclose(verify, sdpa_verify, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_a_batch_of_verifies_takes_the_kernel_and_a_long_prompt_sdpa(tiny_llama, monkeypatch):
+    """Outside exact mode the kernel takes every forward whose sequences each bring at most DECODE_ROWS new tokens,
+    whatever the batch (8 verifies of 3 rows: 24 rows, once SDPA's per-row calls), and a prompt longer than that
+    keeps SDPA's flash kernel."""
+    from pipeline.reference.model import DECODE_ROWS
+
+    model = LlamaModel.from_hf(tiny_llama)
+    assert not model.batch_invariant
+    kv = model.new_kv_cache(128, BLOCK)
+    prompts = [random_ids(20, seed=s) for s in range(8)]
+    tables = [blocks_for(i * 2, 32) for i in range(8)]  # two blocks each
+    calls = []
+    real = row_attention.write_and_attend
+    monkeypatch.setattr(row_attention, "write_and_attend", lambda *a: calls.append(len(a[0])) or real(*a))
+    assert len(prompts[0]) - 3 > DECODE_ROWS
+    for ids, table in zip(prompts, tables):
+        model([SequenceInput(ids[:-3], 0, table)], kv)
+    assert not calls  # prompts of 17 tokens: SDPA
+    verify = model([SequenceInput(ids[-3:], 17, table, logits_rows=[0, 1, 2]) for ids, table in zip(prompts, tables)], kv)
+    assert calls and set(calls) == {24} and verify.logits.shape[0] == 24

@@ -282,9 +282,11 @@ class LlamaModel(torch.nn.Module):
         """
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or sum(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
-        # the row attention kernel: exact mode's attention, and small forwards' otherwise (its one call per layer
-        # beats SDPA's per-group calls there; a long prompt is up to 3x faster on SDPA's flash kernel, docs/engine.md)
-        row_keys = (small and self.dtype == torch.float32 and not kv.quantized
+        # the row attention kernel: exact mode's attention, and otherwise forwards of decode and verify rows (at most
+        # DECODE_ROWS new tokens per sequence, any batch: its one call per layer beats SDPA's per-group calls there,
+        # 8 verifies of 5 rows 3x); a long prompt is up to 3x faster on SDPA's flash kernel (docs/engine.md)
+        rows_only = small or max(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
+        row_keys = (rows_only and self.dtype == torch.float32 and not kv.quantized
                     and all(seq.parents is None for seq in seqs)
                     and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                     and row_attention.kernel() is not None)
