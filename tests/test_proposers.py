@@ -84,7 +84,7 @@ class FixedProposer:
         self.released.append(request_id)
 
 
-def ask(policy, n=1, max_new_tokens=128, num_generated=0, k=8):
+def ask(policy, n=1, max_new_tokens=128, num_generated=1, k=8):  # 1: the answer has begun (0: a prompt's last step)
     inputs = [ProposalInput(f"r{i}", [1, 2, 3], k, max_new_tokens=max_new_tokens, num_generated=num_generated)
               for i in range(n)]
     return [len(d.token_ids) for d in policy.propose(inputs)]
@@ -261,6 +261,21 @@ def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
     assert ask(alone, n=1) == [4]
 
 
+def test_policy_takes_no_evidence_from_drafts_for_a_prompts_last_step():
+    """Prompt lookup drafts for the step that completes a prompt, from the prompt alone; an answer's opening rarely
+    copies it. With 8 in flight those 32 misses filled the window and switched lookup off for good; they no longer
+    count (nor shrink K): the first drafts of the answer decide, and a batch that misses there too stops."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, adaptive=True)
+    policy = PolicyProposer(FixedProposer(), config)
+    assert ask(policy, n=8, num_generated=0) == [4] * 8  # the prompts' last step
+    for i in range(8):
+        policy.update(f"r{i}", 0, 4)
+    assert ask(policy, n=8) == [4] * 8  # still on, K unchanged
+    for i in range(8):
+        policy.update(f"r{i}", 0, 4)  # the answer's first drafts miss too: 0 of 32
+    assert ask(policy, n=8) == [0] * 8
+
+
 def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     """At 4 in flight the bar is high (a draft token costs 0.8 of a step); the requests stop after one step of
     evidence. When one finishes and a new one joins, the finished one's evidence fills the newcomer's share of
@@ -270,7 +285,7 @@ def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     policy = PolicyProposer(FixedProposer(), config)
 
     def step(ids):
-        return [len(d.token_ids) for d in policy.propose([ProposalInput(i, [1, 2, 3], 8) for i in ids])]
+        return [len(d.token_ids) for d in policy.propose([ProposalInput(i, [1, 2, 3], 8, num_generated=1) for i in ids])]
 
     assert step(["a", "b", "c", "d"]) == [4] * 4
     for i in "abcd":

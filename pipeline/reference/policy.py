@@ -28,7 +28,11 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   0.92-1.01x, docs/benchmarks.md): requests left speculating alone pay for draft forwards nobody
   shares, and finish long before the others, who then run on at a smaller, less efficient batch.
   The decision is taken every step, so a batch switched off with 8 in flight speculates again once
-  it shrinks and the bar drops (at a fixed batch size it stays off: no new evidence arrives);
+  it shrinks and the bar drops (at a fixed batch size it stays off: no new evidence arrives).
+  A draft made for a prompt's last step (prompt lookup drafts there, from the prompt alone) is no evidence and
+  does not adapt K: an answer's opening words ("Here is the rewritten text:") rarely copy the prompt, so with 8
+  requests in flight that one step's misses switched prompt lookup off for good on prompts whose answers then
+  accepted 56% (make bench-engine's 8 in flight, docs/benchmarks.md);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
@@ -104,6 +108,7 @@ class _RequestPolicy:
     draft_len: int
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
+    answer_started: bool = False  # proposed for with generated tokens in its context (not its prompt's last step)
 
 
 class PolicyProposer:
@@ -162,7 +167,7 @@ class PolicyProposer:
         self.past_accepted *= PAST_EVIDENCE_DECAY
         self.past_proposed *= PAST_EVIDENCE_DECAY
         for inp in inputs:
-            self._state(inp.request_id)
+            self._state(inp.request_id).answer_started = inp.num_generated > 0
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(self.requests))) for inp in inputs]
         drafts = self.inner.propose(limited)
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
@@ -171,8 +176,8 @@ class PolicyProposer:
         """Adapt K and count the evidence of one verification."""
         self.inner.update(request_id, num_accepted, num_proposed)
         state = self.requests.get(request_id)
-        if state is None or num_proposed == 0:
-            return
+        if state is None or num_proposed == 0 or not state.answer_started:
+            return  # a draft for the prompt's last step (prompt lookup's) is no evidence: see the module docstring
         cfg = self.config
         if cfg.adaptive:
             state.draft_len = next_draft_len(state.draft_len, num_accepted, num_proposed, cfg.max_draft_tokens)
