@@ -305,6 +305,39 @@ def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engi
     assert f"{env}={value}" in added
 
 
+def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_engines, monkeypatch, tmp_path):
+    """The memo's key holds a digest of the engine's code (its Python and kernel sources): a kernel change measures
+    the cost again, as a change to any other file of the engine does; files that are not code do not."""
+    import shutil
+
+    from pipeline.reference import step_cost
+    from pipeline.repo.assemble import measured_draft_token_costs
+
+    code = tmp_path / "reference"
+    shutil.copytree(Path(step_cost.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = step_cost.engine_code_digest(code)
+    assert digest == step_cost.engine_code_digest()  # the copy's code is the engine's
+    (code / "notes.md").write_text("not code")
+    assert step_cost.engine_code_digest(code) == digest
+    kernel = code / "csrc" / "row_attention.cpp"
+    kernel.write_text(kernel.read_text() + "\n// changed\n")
+    assert step_cost.engine_code_digest(code) != digest
+
+    spec = tiny_spec_engines.spec
+    spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
+    plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
+    target, draft = engine_infos(plan)
+    measured_draft_token_costs(plan, target, draft)
+    memo_path = spec.out_dir / "draft_token_cost.json"
+    before = set(json.loads(memo_path.read_text()))
+    assert all(f"by engine code {digest}" in key for key in before if "batches=1 on " in key)
+    changed = step_cost.engine_code_digest(code)
+    monkeypatch.setattr(step_cost, "engine_code_digest", lambda: changed)  # the engine, as if its kernel had changed
+    measured_draft_token_costs(plan, target, draft)
+    (added,) = set(json.loads(memo_path.read_text())) - before
+    assert f"by engine code {changed}" in added
+
+
 def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
     """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
     batch size up to max_batch_for_speculation, and the engine's policy reads the curve from its config."""

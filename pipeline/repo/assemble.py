@@ -223,8 +223,9 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
 
     Measured here rather than at every model load: it costs seconds, a loaded server would time it
     against its own start-up, and the numbers stay visible in config.pbtxt. Kept in
-    `<output dir>/draft_token_cost.json` by engine pair, K, batch sizes, CPU and kernel switches (the engine links
-    resolve to their cached builds), so the next assembly of the same engines on the same machine reuses them.
+    `<output dir>/draft_token_cost.json` by engine pair, K, batch sizes, CPU, kernel switches and the engine code's
+    digest (the engine links resolve to their cached builds), so the next assembly of the same engines on the same
+    machine with the same engine code reuses them.
     """
     s = plan.spec.speculative
     if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
@@ -232,7 +233,7 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
         return ()
     from pipeline.apps.host import cpu_summary
     from pipeline.reference import cpp_ops, decode_threads, fp16_weight_gemm, int8_grid_gemm, row_attention
-    from pipeline.reference.step_cost import ENGINE_TIMING, engine_draft_token_costs
+    from pipeline.reference.step_cost import ENGINE_TIMING, engine_code_digest, engine_draft_token_costs
 
     batches = ((1,) if not lookup_in_engine(s.mode, plan.toolchain)
                else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1)))
@@ -240,7 +241,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     builds = [int8_grid_gemm.kernel(), row_attention.kernel()]  # which build of each kernel runs (AVX-512 or AVX2)
     switches += " builds " + ",".join(f"{isa.library}[{' '.join((*isa.flags, *cpp_ops.OPENMP))}]"
                                       for isa in builds if isa is not None)
-    switches += f" {decode_threads.ENV}={os.environ.get(decode_threads.ENV) or 'measured'}; timed {ENGINE_TIMING}"
+    switches += (f" {decode_threads.ENV}={os.environ.get(decode_threads.ENV) or 'measured'}; timed {ENGINE_TIMING}"
+                 f" by engine code {engine_code_digest()}")
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
