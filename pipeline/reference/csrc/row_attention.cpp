@@ -92,7 +92,7 @@ constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 va
 template <int P>
 void qk_block(const float* const* q, const float* kt, int64_t chunks, float scale, __mmask16 mask, float* const* s) {
   // lanes l and l + 8 of every pair at once: one load of each transposed key column serves the P pairs, and the
-  // 2P chains (each over the chunks in order, from 0, as lane(p, l) above) keep the FMA units busy
+  // 2P chains (each lane's sums over the chunks in order, from 0) keep the FMA units busy
   auto two_lanes = [&](int l, __m512* sum) {
     __m512 a[P], b[P];
 #pragma GCC unroll 8
