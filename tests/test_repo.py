@@ -283,25 +283,38 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
         memo_path.write_text(json.dumps(memo))
 
 
-@pytest.mark.parametrize("switch, value", [("int8_grid_gemm", "0"), ("fp16_weight_gemm", "0"), ("row_attention", "0"),
-                                           ("decode_threads", "1")])
-def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch, value):
-    """The memo's key names the CPU, the kernel switches and a forced decode thread count: a cost timed on other
-    kernels or threads is not reused."""
-    import importlib
+def memo_keys_added(tiny_spec_engines):
+    """A function that assembles the tiny engines' draft-token costs (switch-off on) and returns the keys this call
+    added to the memo; `.keys` holds every key after the last call."""
     from pipeline.repo.assemble import measured_draft_token_costs
 
     spec = tiny_spec_engines.spec
     spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
     plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
-    measured_draft_token_costs(plan, target, draft)
     memo_path = spec.out_dir / "draft_token_cost.json"
-    before = set(json.loads(memo_path.read_text()))
+
+    def measure() -> set[str]:
+        before = set(json.loads(memo_path.read_text())) if memo_path.is_file() else set()
+        measured_draft_token_costs(plan, target, draft)
+        measure.keys = set(json.loads(memo_path.read_text()))
+        return measure.keys - before
+
+    return measure
+
+
+@pytest.mark.parametrize("switch, value", [("int8_grid_gemm", "0"), ("fp16_weight_gemm", "0"), ("row_attention", "0"),
+                                           ("decode_threads", "1")])
+def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engines, monkeypatch, switch, value):
+    """The memo's key names the CPU, the kernel switches and a forced decode thread count: a cost timed on other
+    kernels or threads is not reused."""
+    import importlib
+
+    measure = memo_keys_added(tiny_spec_engines)
+    measure()
     env = importlib.import_module(f"pipeline.reference.{switch}").ENV
     monkeypatch.setenv(env, value)
-    measured_draft_token_costs(plan, target, draft)
-    (added,) = set(json.loads(memo_path.read_text())) - before
+    (added,) = measure()
     assert f"{env}={value}" in added
 
 
@@ -311,7 +324,6 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
     import shutil
 
     from pipeline.reference import step_cost
-    from pipeline.repo.assemble import measured_draft_token_costs
 
     code = tmp_path / "reference"
     shutil.copytree(Path(step_cost.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__"))
@@ -323,18 +335,12 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
     kernel.write_text(kernel.read_text() + "\n// changed\n")
     assert step_cost.engine_code_digest(code) != digest
 
-    spec = tiny_spec_engines.spec
-    spec = dataclasses.replace(spec, speculative=dataclasses.replace(spec.speculative, min_acceptance_rate=0.2))
-    plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
-    target, draft = engine_infos(plan)
-    measured_draft_token_costs(plan, target, draft)
-    memo_path = spec.out_dir / "draft_token_cost.json"
-    before = set(json.loads(memo_path.read_text()))
-    assert all(f"by engine code {digest}" in key for key in before if "batches=1 on " in key)
+    measure = memo_keys_added(tiny_spec_engines)
+    measure()
+    assert all(f"by engine code {digest}" in key for key in measure.keys if "batches=1 on " in key)
     changed = step_cost.engine_code_digest(code)
     monkeypatch.setattr(step_cost, "engine_code_digest", lambda: changed)  # the engine, as if its kernel had changed
-    measured_draft_token_costs(plan, target, draft)
-    (added,) = set(json.loads(memo_path.read_text())) - before
+    (added,) = measure()
     assert f"by engine code {changed}" in added
 
 

@@ -144,32 +144,23 @@ void pv_block(const float* const* e, const int64_t* len, const float* inv_sum, c
     for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_setzero_ps();
   const __mmask16 m[4] = {__mmask16(cn > 0 ? 0xFFFF : 0), __mmask16(cn > 1 ? 0xFFFF : 0), __mmask16(cn > 2 ? 0xFFFF : 0),
                           __mmask16(cn > 3 ? 0xFFFF : 0)};
-  // every pair takes keys [0, shortest): no per-pair test in the loop (the accumulators stay in registers)
-  for (int64_t j = 0; j < shortest; ++j) {
+  // key j's values into the pairs that take it (`takes(p)`)
+  auto add_key = [&](int64_t j, auto takes) {
     const float* vj = v + slots[j] * kv_stride + c0 * LANES;
     __m512 vc[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) vc[c] = _mm512_maskz_loadu_ps(m[c], vj + c * LANES);
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
+      if (!takes(p)) continue;
       const __m512 w = _mm512_set1_ps(e[p][j]);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_fmadd_ps(w, vc[c], acc[p][c]);
     }
-  }
-  for (int64_t j = shortest; j < longest; ++j) {  // the longer rows' last keys
-    const float* vj = v + slots[j] * kv_stride + c0 * LANES;
-    __m512 vc[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) vc[c] = _mm512_maskz_loadu_ps(m[c], vj + c * LANES);
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      if (j >= len[p]) continue;
-      const __m512 w = _mm512_set1_ps(e[p][j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_fmadd_ps(w, vc[c], acc[p][c]);
-    }
-  }
+  };
+  // every pair takes keys [0, shortest): no per-pair test in that loop (the accumulators stay in registers)
+  for (int64_t j = 0; j < shortest; ++j) add_key(j, [](int) { return true; });
+  for (int64_t j = shortest; j < longest; ++j) add_key(j, [&](int p) { return j < len[p]; });  // the longer rows' last keys
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
