@@ -276,6 +276,29 @@ def test_policy_takes_no_evidence_from_drafts_for_a_prompts_last_step():
     assert ask(policy, n=8) == [0] * 8
 
 
+def test_policy_ends_drafts_at_the_first_position_that_does_not_pay_at_the_running_batch():
+    """A draft token costs 0.3 of a step with 4 in flight and nothing alone. Drafts of 4 whose first two tokens are
+    always accepted and the last two never: with 4 in flight, once positions 2 and 3 have 16 draft tokens of evidence,
+    drafts stop after 2 tokens (the pool's 50 % still pays, so speculation stays on); a request alone drafts 4 again;
+    the evidence fades, so with 4 in flight position 2 is tried again after some steps."""
+    config = PolicyConfig(num_draft_tokens=4, max_draft_tokens=4, min_acceptance_rate=0.1, window=2,
+                          draft_token_costs=((1, 0.0), (4, 0.3)))
+    policy = PolicyProposer(FixedProposer(), config)
+    for _ in range(5):  # 20 draft tokens at each position (a little less: the evidence fades every step)
+        assert ask(policy, n=4) == [4] * 4
+        for i in range(4):
+            policy.update(f"r{i}", 2, 4)
+    assert ask(policy, n=4) == [2] * 4
+    assert policy.useful_positions(1) == 4  # free draft tokens: every position pays
+    steps = 1
+    while ask(policy, n=4) == [2] * 4:  # nothing new is verified: only the fading changes the evidence
+        steps += 1
+    assert steps >= 10 and ask(policy, n=4) == [4] * 4
+    for i in range(1, 4):
+        policy.release(f"r{i}")
+    assert ask(policy, n=1) == [4]
+
+
 def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     """At 4 in flight the bar is high (a draft token costs 0.8 of a step); the requests stop after one step of
     evidence. When one finishes and a new one joins, the finished one's evidence fills the newcomer's share of

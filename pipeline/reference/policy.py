@@ -38,6 +38,9 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
   running batch is the requests the policy follows (from their first proposal until release()), so a
   proposal for one request alone (the step that completes its prompt) is gated like the others;
+- draft positions that do not pay: where a draft token has a measured cost at the running batch size, a draft ends
+  before the first position whose pooled acceptance through it is below that cost (`useful_positions`): at 4 in flight
+  a fifth draft token costs more than the little it brings, at batch 1 it is nearly free;
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0, so a proposer
@@ -54,6 +57,9 @@ from pipeline.sequences import next_draft_len
 
 # The early switch-off's risk of stopping a draft that would have paid (see PolicyProposer.pays)
 EARLY_STOP_RISK = 0.05
+# Draft tokens a draft position needs (pooled, fading like the finished requests' evidence) before its acceptance can
+# end drafts there (PolicyProposer.useful_positions)
+POSITION_EVIDENCE = 16
 # Finished requests' pooled evidence is multiplied by this every step (half-life about 70 steps, 1-2 s at
 # SmolLM2's CPU step times), so what it says about the traffic fades and new requests get tried again.
 PAST_EVIDENCE_DECAY = 0.99
@@ -109,6 +115,7 @@ class _RequestPolicy:
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
     answer_started: bool = False  # proposed for with generated tokens in its context (not its prompt's last step)
+    chain: bool = True  # its last draft was a chain (a tree's nodes are not draft positions)
 
 
 class PolicyProposer:
@@ -121,6 +128,9 @@ class PolicyProposer:
         self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
         self.past_accepted = self.past_proposed = 0.0  # finished requests' evidence, fading (see `pays`)
+        # per draft position i: draft tokens proposed there, and accepted through there (the pool's, fading)
+        self.position_proposed = [0.0] * config.max_draft_tokens
+        self.position_accepted = [0.0] * config.max_draft_tokens
 
     def _state(self, request_id: str) -> _RequestPolicy:
         """What the policy remembers about this request (a new request starts at K)."""
@@ -133,7 +143,7 @@ class PolicyProposer:
         state = self._state(inp.request_id)
         if batch_size > cfg.max_batch_for_speculation or not self.pays(batch_size):
             return 0
-        k = min(state.draft_len, inp.num_tokens)
+        k = min(state.draft_len, inp.num_tokens, self.useful_positions(batch_size))
         if inp.max_new_tokens is not None:
             if inp.max_new_tokens < cfg.min_new_tokens_for_speculation:
                 return 0
@@ -161,15 +171,32 @@ class PolicyProposer:
         # instead of 8, where each step costs K draft forwards)
         return proposed == 0 or accepted / proposed + math.sqrt(math.log(1 / EARLY_STOP_RISK) / (2 * proposed)) >= bar
 
+    def useful_positions(self, batch_size: int) -> int:
+        """How many leading draft positions pay at this batch size: a draft ends before the first position (after the
+        first) whose pooled acceptance through it is below the break-even, once that position has POSITION_EVIDENCE
+        draft tokens. Drafting position i brings a token with the probability that the drafts reaching it are accepted
+        through it, and costs one draft token: at 4 in flight on code prompts K=5 brought 1.42 tokens a step against
+        K=2's 1.35 while its verify cost 0.69 of a step against 0.84 (make bench, docs/benchmarks.md). The evidence
+        fades, so a position ruled out is tried again after some steps."""
+        cost = self.config.break_even(batch_size)
+        for i in range(1, len(self.position_proposed)):
+            if self.position_proposed[i] >= POSITION_EVIDENCE and self.position_accepted[i] < cost * self.position_proposed[i]:
+                return i
+        return len(self.position_proposed)
+
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
         self.past_accepted *= PAST_EVIDENCE_DECAY
         self.past_proposed *= PAST_EVIDENCE_DECAY
+        self.position_proposed = [x * PAST_EVIDENCE_DECAY for x in self.position_proposed]
+        self.position_accepted = [x * PAST_EVIDENCE_DECAY for x in self.position_accepted]
         for inp in inputs:
             self._state(inp.request_id).answer_started = inp.num_generated > 0
         limited = [replace(inp, num_tokens=self.draft_len(inp, len(self.requests))) for inp in inputs]
         drafts = self.inner.propose(limited)
+        for inp, draft in zip(limited, drafts):
+            self.requests[inp.request_id].chain = draft.parents is None
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
@@ -183,6 +210,10 @@ class PolicyProposer:
             state.draft_len = next_draft_len(state.draft_len, num_accepted, num_proposed, cfg.max_draft_tokens)
         state.accepted += num_accepted
         state.proposed += num_proposed
+        if state.chain:
+            for i in range(min(num_proposed, len(self.position_proposed))):
+                self.position_proposed[i] += 1
+                self.position_accepted[i] += i < num_accepted
 
     def release(self, request_id: str) -> None:
         """Forget the request here and in the wrapped proposer; its evidence joins the finished requests'."""
