@@ -14,6 +14,7 @@ so it is measured per batch size.
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch
     """Cost of one draft token as a fraction of a plain step: (verify(K + 1 rows) + K draft steps - step) / (K * step).
 
     Measured with `batch` sequences of `context` cached tokens each (every forward runs all of them:
-    one row each for a plain step and a draft step, K + 1 rows each for the verify), in CPU time of
-    this process (time other processes take from it on a shared machine does not count), the three
-    forwards interleaved in each of `repeats` rounds, best round of each.
+    one row each for a plain step and a draft step, K + 1 rows each for the verify), the three forwards
+    interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in wall time (what
+    serving pays). A round's forwards run back to back, so a change in the machine's load between rounds cancels
+    out. The best round of each forward in CPU time, as before, measured the default engine's cost 0.003-0.06 at
+    batch 1 and 0.15-0.23 at 4 in flight in five runs a minute apart (wall-time rounds: 0.030-0.034 and 0.26-0.29):
+    CPU time counts both OpenMP threads, their spinning included, and the best round of one forward need not
+    meet the best of the other.
     draft None: prompt lookup (no draft forwards). Clipped at 0 (noise can time K + 1 rows below one).
     """
     if k < 1:
@@ -57,16 +62,18 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch
         tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
         model([SequenceInput([1] * context, 0, table) for table in tables], kv)  # the cached contexts (and a warm-up)
         caches.append((kv, tables))
-    best = [float("inf")] * len(runs)
+    costs = []
     for _ in range(repeats):
-        for i, ((model, rows), (kv, tables)) in enumerate(zip(runs, caches)):
+        seconds = []  # this round's plain step, verify and draft step
+        for (model, rows), (kv, tables) in zip(runs, caches):
             seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
-            start = time.process_time()
+            start = time.perf_counter()
             model(seqs, kv)
-            best[i] = min(best[i], time.process_time() - start)
-    step, verify = best[0], best[1]
-    drafting = k * best[2] if draft is not None else 0.0
-    return max((verify + drafting - step) / (k * step), 0.0)
+            seconds.append(time.perf_counter() - start)
+        step, verify = seconds[0], seconds[1]
+        drafting = k * seconds[2] if draft is not None else 0.0
+        costs.append((verify + drafting - step) / (k * step))
+    return max(statistics.median(costs), 0.0)
 
 
 def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, k: int,
