@@ -285,7 +285,7 @@ class LlamaModel(torch.nn.Module):
         # the row attention kernel: exact mode's attention, and otherwise forwards of decode and verify rows (at most
         # DECODE_ROWS new tokens per sequence, any batch: its one call per layer beats SDPA's per-group calls there,
         # 8 verifies of 5 rows 3x); a long prompt is up to 3x faster on SDPA's flash kernel (docs/engine.md)
-        rows_only = small or max(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
+        rows_only = self.batch_invariant or max(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
         row_keys = (rows_only and self.dtype == torch.float32 and not kv.quantized
                     and all(seq.parents is None for seq in seqs)
                     and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)

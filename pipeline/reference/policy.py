@@ -137,13 +137,19 @@ class PolicyProposer:
         cfg = self.config
         return self.requests.setdefault(request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
 
-    def draft_len(self, inp: ProposalInput, batch_size: int) -> int:
-        """K for this request this step (0 = decode plainly)."""
-        cfg = self.config
-        state = self._state(inp.request_id)
-        if batch_size > cfg.max_batch_for_speculation or not self.pays(batch_size):
+    def step_limit(self, batch_size: int) -> int:
+        """The most draft tokens any request may draft this step at this running batch size, decided once for the
+        running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`."""
+        if batch_size > self.config.max_batch_for_speculation or not self.pays(batch_size):
             return 0
-        k = min(state.draft_len, inp.num_tokens, self.useful_positions(batch_size))
+        return self.useful_positions(batch_size)
+
+    def draft_len(self, inp: ProposalInput, limit: int) -> int:
+        """K for this request this step (0 = decode plainly), at most the step's `limit` (`step_limit`)."""
+        if limit == 0:
+            return 0
+        cfg = self.config
+        k = min(self.requests[inp.request_id].draft_len, inp.num_tokens, limit)
         if inp.max_new_tokens is not None:
             if inp.max_new_tokens < cfg.min_new_tokens_for_speculation:
                 return 0
@@ -193,7 +199,8 @@ class PolicyProposer:
         self.position_accepted = [x * PAST_EVIDENCE_DECAY for x in self.position_accepted]
         for inp in inputs:
             self._state(inp.request_id).answer_started = inp.num_generated > 0
-        limited = [replace(inp, num_tokens=self.draft_len(inp, len(self.requests))) for inp in inputs]
+        limit = self.step_limit(len(self.requests))
+        limited = [replace(inp, num_tokens=self.draft_len(inp, limit)) for inp in inputs]
         drafts = self.inner.propose(limited)
         for inp, draft in zip(limited, drafts):
             self.requests[inp.request_id].chain = draft.parents is None
