@@ -1,18 +1,24 @@
-"""Fused dense layers (pipeline/reference/fused_layers.py): a draft's float32 layers as one C++ call.
+"""Fused layers (pipeline/reference/fused_layers.py): a model's decoder layers as one C++ call.
 
-They must compute what the eager layers compute (the same logits within float32 rounding, the same KV written, so
-later steps agree too), on Llama and on Qwen2's biased qkv, and a DraftModelProposer running them must propose the
-eager draft's tokens. Forwards the row attention kernel does not take (a prefill) keep the eager path.
+Dense float32 layers (a draft's) must compute what the eager layers compute (the same logits within float32 rounding,
+the same KV written, so later steps agree too), on Llama and on Qwen2's biased qkv, and a DraftModelProposer running
+them must propose the eager draft's tokens. Forwards the row attention kernel does not take (a prefill) keep the eager
+path. int8_sq layers (a target's, switched on by the engine beside its compiled layers) must compute what the compiled
+layers compute within rounding, and every row alone, bit for bit, whatever else the forward holds (tests/
+test_compiled.py checks the engine's greedy and speculative tokens with them on).
 """
 
 import pytest
 import torch
 
-from pipeline.reference import cpp_ops, fused_layers, row_attention
+from pipeline.reference import compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
 from pipeline.reference.draft_model import DraftModelProposer
+from pipeline.reference.engine import LLMEngine
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
+from tests.test_int8_kernels import int8_engines  # noqa: F401 - the int8 engine builds, a fixture
 from tests.test_model import qwen2_dir  # noqa: F401 - a fixture
+from tests.test_speculative import prompts
 
 pytestmark = pytest.mark.skipif(row_attention.kernel() is None or not cpp_ops.loaded(fused_layers.BUILD),
                                 reason="the row attention or dense layers kernel does not run on this CPU")
@@ -90,3 +96,56 @@ def test_the_op_names_a_wrong_weight_count(tiny_llama):
     model.fused_layers = layers
     with pytest.raises(RuntimeError, match="7 weights per layer"):
         model([SequenceInput([3], 0, [0])], kv)
+
+
+needs_int8_kernel = pytest.mark.skipif(int8_grid_gemm.kernel() is None, reason="no int8 kernel runs on this CPU")
+
+
+def int8_sq_model(engine_dir, fused: bool):
+    """The int8_sq engine's model in exact mode (every forward on the row attention kernel) with its compiled layers,
+    and its fused layers too when `fused`."""
+    model = LlamaModel.from_engine_dir(engine_dir, batch_invariant=True)
+    model.compiled_layers = compiled.CompiledLayers(model)
+    model.fused_layers = fused_layers.build(model) if fused else None
+    assert fused == isinstance(model.fused_layers, fused_layers.FusedInt8Layers)
+    return model, model.new_kv_cache(8, 16)
+
+
+@needs_int8_kernel
+def test_int8_sq_fused_layers_compute_the_compiled_layers(int8_engines):  # noqa: F811 - the imported fixture
+    (compiled_model, compiled_kv), (fused_model, fused_kv) = (int8_sq_model(int8_engines["int8_sq"], f) for f in (False, True))
+    prompt = prompts(1)[0] * 3  # a prefill of 16 + tokens, then a 3-token chain and a step
+    a, b = run_steps(compiled_model, compiled_kv, prompt), run_steps(fused_model, fused_kv, prompt)
+    assert not torch.equal(b, a)  # a different computation (its own sums), not the compiled layers called again
+    torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+    assert b.argmax(-1).tolist() == a.argmax(-1).tolist()
+    n = len(prompt) + 4
+    torch.testing.assert_close(fused_kv.k[:, :n], compiled_kv.k[:, :n], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused_kv.v[:, :n], compiled_kv.v[:, :n], rtol=1e-3, atol=1e-3)
+
+
+@needs_int8_kernel
+def test_int8_sq_fused_rows_do_not_depend_on_the_batch(int8_engines):  # noqa: F811
+    model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    ids = prompts(1)[0] * 4
+    model([SequenceInput(ids[:10], 0, [0, 1])], kv)
+    many = model([SequenceInput(ids[10:16], 10, [0, 1], logits_rows=list(range(6)))], kv).logits  # [6, vocab]
+    for r in range(6):  # row r alone, after the same prefix (its KV rewritten with the same values)
+        alone = model([SequenceInput(ids[10:11 + r], 10, [0, 1], logits_rows=[r])], kv).logits
+        assert torch.equal(alone, many[r:r + 1])
+    pair = model([SequenceInput(ids[10:16], 10, [0, 1], logits_rows=list(range(6))),
+                  SequenceInput(ids[:9], 0, [2, 3])], kv).logits  # a second sequence, 9 rows: 15 in all
+    assert torch.equal(pair[:6], many)
+
+
+@needs_int8_kernel
+def test_the_engine_runs_an_int8_sq_target_on_fused_layers_beside_its_compiled_ones(int8_engines, monkeypatch):  # noqa: F811
+    def engine_model(**overrides):
+        return LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128, max_input_len=64,
+                                         **overrides).model
+
+    assert isinstance(engine_model(compiled_layers=True).fused_layers, fused_layers.FusedInt8Layers)
+    assert engine_model(compiled_layers=False).fused_layers is None  # eager layers, as the suite runs them
+    monkeypatch.setenv(fused_layers.ENV, "0")
+    model = engine_model(compiled_layers=True)
+    assert model.compiled_layers is not None and model.fused_layers is None

@@ -14,11 +14,13 @@ context, and one decode step of 8 sequences in flight, through the reference mod
 batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
 sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step, and the plain decode
 step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
-count (--threads) and layer mode (--modes: eager op by op, or compiled, the int8_sq layers' small ops
-fused by inductor, pipeline/reference/compiled.py); then one decode step per engine and mode under
+count (--threads) and layer mode (--modes: eager op by op; compiled, the int8_sq layers' small ops
+fused by inductor, pipeline/reference/compiled.py; fused, as the engine runs them: the compiled layers with the
+forwards on the row attention kernel as one C++ call, pipeline/reference/fused_layers.py); then one decode step per
+engine and mode under
 torch.profiler: the linear kernels' time against every other op's, and the number of torch ops.
 
-    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--modes eager,compiled]
+    python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--modes eager,compiled,fused]
         [--engines out/default/engines/target ...]
 """
 
@@ -270,27 +272,34 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     spread around `context`: 8 in flight), each batch-invariant (every token its own SDPA batch element
     over aligned keys, as serving and the exactness tests run) and batched (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
-    bandwidth measured in the same repeats). Layer modes: "eager" (op by op) and "compiled"
-    (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only),
-    timed alternately in the same repeats; so are the output layers of 16-bit output layers (`output_layers`:
+    bandwidth measured in the same repeats). Layer modes: "eager" (op by op), "compiled"
+    (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only) and "fused"
+    (the compiled layers plus fused_layers.FusedInt8Layers for forwards on the row attention kernel, as the engine
+    runs them), timed alternately in the same repeats; so are the output layers of 16-bit output layers (`output_layers`:
     "screened", ScreenedOutputLayer, "fp16", Float16Weights). Then, per engine and mode, where one decode step goes
     (torch.profiler): the linear kernels against everything else, and the number of torch ops.
     """
-    from pipeline.reference import compiled
+    from pipeline.reference import compiled, fused_layers
     from pipeline.reference.model import LlamaModel, SequenceInput
 
     models = {d: LlamaModel.from_engine_dir(d) for d in engine_dirs}
-    variants = {}  # (engine, layer mode, output layer) -> (CompiledLayers or None (eager), output-layer kernel)
+    # (engine, layer mode, output layer) -> ((CompiledLayers or None (eager), FusedInt8Layers or None), output layer)
+    variants = {}
     for d, model in models.items():
         heads = output_layer_variants(model, output_layers)
+        regions = None
         for mode in layer_modes:
             if mode == "eager":
-                layers = None
+                layers = (None, None)
             elif compiled.eligible(model) is None:
-                start = time.perf_counter()
-                layers = compiled.CompiledLayers(model)
-                print(f"{d}: compiled layers built in {time.perf_counter() - start:.1f} s (compiled, or loaded from "
-                      "inductor's on-disk cache)")
+                if regions is None:
+                    start = time.perf_counter()
+                    regions = compiled.CompiledLayers(model)
+                    print(f"{d}: compiled layers built in {time.perf_counter() - start:.1f} s (compiled, or loaded "
+                          "from inductor's on-disk cache)")
+                layers = (regions, fused_layers.build(model) if mode == "fused" else None)
+                if mode == "fused" and layers[1] is None:
+                    continue
             else:
                 continue
             variants.update({(d, mode, out): (layers, head) for out, head in heads.items()})
@@ -319,7 +328,7 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
             for (d, mode, out), (layers, head) in variants.items():
                 model = models[d]
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
-                model.compiled_layers, model.lm_head_linear = layers, head
+                (model.compiled_layers, model.fused_layers), model.lm_head_linear = layers, head
                 for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
@@ -360,7 +369,8 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     print("|---|---|---|---|---|---|---|")
     for (d, mode, out), (layers, head) in variants.items():
         model = models[d]
-        model.decode_threads, model.compiled_layers, model.lm_head_linear, model.batch_invariant = threads[0], layers, head, True
+        model.decode_threads, model.lm_head_linear, model.batch_invariant = threads[0], head, True
+        model.compiled_layers, model.fused_layers = layers
         ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d])
         print(f"| {d} | {mode} | {out} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
               f"{model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
@@ -379,8 +389,9 @@ def main() -> None:
     parser.add_argument("--output-layers", default="screened,fp16" if screen_gemm() else "fp16",
                         help="part 2's 16-bit output layers: screened (bf16 + exact top, needs AMX or AVX512-BF16), "
                              "fp16")
-    parser.add_argument("--modes", default="eager,compiled",
-                        help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only)")
+    parser.add_argument("--modes", default="eager,compiled,fused",
+                        help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only), "
+                             "fused (compiled + FusedInt8Layers, as the engine runs them)")
     parser.add_argument("--context", type=int, default=128,
                         help="part 2's cached tokens before the timed forwards (8 in flight: 5/8 to 10/8 of it)")
     args = parser.parse_args()

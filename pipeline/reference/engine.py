@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import EngineLimits
-from pipeline.reference import compiled, decode_threads
+from pipeline.reference import compiled, decode_threads, fused_layers
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
 from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -87,7 +87,7 @@ class EngineConfig(EngineLimits):
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md
-    # "Decode step"); other engines ignore it. On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
+    # "Decode step"), and forwards on the row attention kernel as one C++ call (fused_layers.py); others ignore it. On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
     compiled_layers: bool = field(default_factory=lambda: os.environ.get(compiled.ENV, "1") != "0")
 
     @classmethod
@@ -167,6 +167,8 @@ class LLMEngine:
         model.batch_invariant = self.config.batch_invariant
         if self.config.compiled_layers and model.compiled_layers is None:
             model.compiled_layers = compiled.build(model)
+        if model.compiled_layers is not None and model.fused_layers is None:
+            model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
         if self.config.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")

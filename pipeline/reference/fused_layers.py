@@ -1,16 +1,22 @@
-"""Fused dense layers: a small float32 model's decoder layers as one C++ call (csrc/dense_layers.cpp).
+"""Fused layers: a model's decoder layers as one C++ call (csrc/fused_layers.cpp), for forwards on the row attention
+kernel (decode steps and short chains; a prefill keeps the eager or compiled path and SDPA).
 
-A draft model exists to be cheap, but on these CPUs a draft step of a 1-layer, 128-wide draft cost 0.42 ms,
-almost half of its 6-layer target's step (0.93 ms): nearly all of it op overhead, 20-30 torch calls per layer at
-2-40 us each (the RMSNorm alone is five ATen ops) around a few microseconds of arithmetic. `FusedDenseLayers` runs
-every layer and the final norm in one op: the GEMMs on at::linear, as the eager layers' F.linear, the attention on
-the row attention kernel, the rest plain loops. It runs forwards whose attention plan uses the row attention kernel
-(decode steps and short chains; a prefill keeps the eager path and SDPA).
-
-The results are close to the eager layers', not bit-equal (its RMSNorm sums in row order), so it is for drafts,
-whose tokens are proposals the target verifies: `DraftModelProposer` switches it on. Targets keep their eager or
-compiled layers, whose bits the exactness tests and the transformers comparisons pin.
-REFERENCE_FUSED_LAYERS=0 keeps drafts on the eager path.
+- Dense float32 models (drafts): a draft exists to be cheap, but on these CPUs a draft step of a 1-layer, 128-wide
+  draft cost 0.42 ms, almost half of its 6-layer target's step (0.93 ms): nearly all of it op overhead, 20-30 torch
+  calls per layer at 2-40 us each (the RMSNorm alone is five ATen ops) around a few microseconds of arithmetic.
+  `FusedDenseLayers` runs every layer and the final norm in one op: the GEMMs on at::linear, as the eager layers'
+  F.linear, the attention on the row attention kernel, the rest plain loops. Its results are close to the eager
+  layers', not bit-equal (its RMSNorm sums in row order), so it is for drafts, whose tokens are proposals the target
+  verifies: `DraftModelProposer` switches it on. Dense targets keep their eager layers, whose bits the exactness
+  tests and the transformers comparisons pin.
+- int8_sq models (targets, as served): between its four int8 GEMMs a layer ran five inductor-compiled regions and
+  five Python calls of custom ops (compiled.py), 4-17 us each: about 2 ms of a SmolLM2 decode step's 8-11.
+  `FusedInt8Layers` runs the same layers in one op, the GEMMs on the project's int8 kernel (int8_grid_gemm.py). The
+  engine switches it on beside the compiled layers (`EngineConfig.compiled_layers`). Every row is computed alone in a
+  fixed order, so the results are batch-invariant and the same on any thread count; they are close to the compiled
+  layers', not bit-equal (tests/test_fused_layers.py). In exact mode (as served) every forward runs on the row
+  attention kernel, so every token of a request is computed by these layers, speculative or not.
+REFERENCE_FUSED_LAYERS=0 keeps both on the eager or compiled path.
 """
 
 from __future__ import annotations
@@ -20,31 +26,36 @@ import logging
 
 import torch
 
-from pipeline.reference import cpp_ops, row_attention
-from pipeline.reference.linear import DenseLinear
+from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
+from pipeline.reference.linear import DenseLinear, Int8PerToken
 
-ENV = "REFERENCE_FUSED_LAYERS"  # "0": drafts run their layers eager
-BUILD = cpp_ops.Build("dense_layers", "dense_layers", ("-O3",), lambda: True)
+ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
+BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
+LINEARS = ("qkv", "o", "gate_up", "down")
 
 log = logging.getLogger(__name__)
 
 
 def eligible(model) -> str | None:
-    """Why `model` cannot run fused layers (None: it can; a forward over an INT8 KV cache still runs eager, as it
-    cannot use the row attention kernel)."""
+    """Why `model` cannot run fused layers (None: it can; a forward over an INT8 KV cache still runs eager or compiled,
+    as it cannot use the row attention kernel)."""
     if model.dtype != torch.float32:
         return "it needs float32 activations"
     if model.final_norm is None or any(layer["input_norm"] is None for layer in model.layers):
         return "a layer has no input norm (an EAGLE drafter)"
-    if not all(isinstance(layer[k], DenseLinear) for layer in model.layers for k in ("qkv", "o", "gate_up", "down")):
-        return "its linears are not dense float32"
+    linears = [layer[k] for layer in model.layers for k in LINEARS]
+    int8_sq = all(isinstance(lin, Int8PerToken) and lin.kernel is not None for lin in linears)
+    if not (all(isinstance(lin, DenseLinear) for lin in linears) or int8_sq):
+        return "its linears are neither dense float32 nor int8_sq on the project's int8 kernel"
+    if int8_sq and any(layer[k].bias is not None for layer in model.layers for k in ("o", "gate_up", "down")):
+        return "an int8_sq o, gate_up or down linear has a bias"
     if not row_attention.supports(model.num_heads, model.num_kv_heads, model.head_size) or row_attention.kernel() is None:
         return "the row attention kernel does not run here or takes not these heads"
     return None
 
 
 class FusedDenseLayers:
-    """The decoder layers and final norm of an eligible model (see `eligible`) as one op call."""
+    """The decoder layers and final norm of an eligible dense float32 model (see `eligible`) as one op call."""
 
     def __init__(self, model):
         self.model = model
@@ -64,18 +75,52 @@ class FusedDenseLayers:
                                                  self.attention)
 
 
-def build(model) -> FusedDenseLayers | None:
-    """FusedDenseLayers for `model`, or None (logged once per reason) where it is not eligible, switched off or the
-    kernel does not build."""
+class FusedInt8Layers:
+    """The decoder layers and final norm of an eligible int8_sq model (see `eligible`) as one op call."""
+
+    def __init__(self, model):
+        self.model = model
+        hidden, width = model.hidden_size, model.num_heads * model.head_size
+        inter = model.config["intermediate_size"]
+        qkv_width = (model.num_heads + 2 * model.num_kv_heads) * model.head_size
+
+        def inv_smoother(linear, n):  # the GEMM input's SmoothQuant scaling, ones without one
+            return torch.ones(n) if linear.inv_smoother is None else linear.inv_smoother.float().contiguous()
+
+        self.weights = []
+        for layer in model.layers:
+            qkv = layer["qkv"]
+            self.weights += [layer["input_norm"].float().contiguous(), layer["post_norm"].float().contiguous(),
+                             inv_smoother(qkv, hidden), inv_smoother(layer["o"], width),
+                             inv_smoother(layer["gate_up"], hidden), inv_smoother(layer["down"], inter),
+                             torch.zeros(qkv_width) if qkv.bias is None else qkv.bias.float().contiguous()]
+            self.weights += [t for k in LINEARS for t in (layer[k].kernel.packed, layer[k].kernel.offset,
+                                                          layer[k].kernel.multiplier)]
+        kernel = model.layers[0]["qkv"].kernel  # every linear's: the grid and the build are the model's
+        op = "int8_grid_gemm" if kernel.isa is int8_grid_gemm.VNNI else "int8_grid_gemm_avx2"
+        self.gemm = ("specdeploy::" + op, kernel.step, kernel.zero_point, kernel.amx_min_rows)
+        self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
+        """As FusedDenseLayers.__call__."""
+        m = self.model
+        return torch.ops.specdeploy.int8_sq_layers(x, cos, sin, self.weights, kv.k, kv.v, plan.slots, *plan.row_keys,
+                                                   m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
+                                                   self.attention, *self.gemm)
+
+
+def build(model) -> FusedDenseLayers | FusedInt8Layers | None:
+    """The fused layers of `model` (dense or int8_sq), or None (logged once per reason) where it is not eligible,
+    switched off or the kernel does not build."""
     reason = "REFERENCE_FUSED_LAYERS=0" if not cpp_ops.switched_on(ENV) else eligible(model)
     if reason is None and not cpp_ops.loaded(BUILD):
         reason = "the kernel did not build"
     if reason is not None:
         _log_once(reason)
         return None
-    return FusedDenseLayers(model)
+    return FusedDenseLayers(model) if isinstance(model.layers[0]["qkv"], DenseLinear) else FusedInt8Layers(model)
 
 
 @functools.cache
 def _log_once(reason: str) -> None:
-    log.info("fused dense layers off, the draft runs eager: %s", reason)
+    log.info("fused layers off: %s", reason)

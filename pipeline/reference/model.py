@@ -137,7 +137,7 @@ class LlamaModel(torch.nn.Module):
         self.decode_threads: int | None = 1  # None: small forwards keep torch's thread count too
         self.measured_decode_threads: int | None = None  # decode_threads.choose's result, once measured
         self.compiled_layers = None  # compiled.CompiledLayers: the layers with the ops between GEMMs fused
-        self.fused_layers = None  # fused_layers.FusedDenseLayers: a draft's dense layers as one C++ call
+        self.fused_layers = None  # fused_layers.build's: the layers as one C++ call (a draft's, an int8_sq target's)
         self.num_layers = config["num_hidden_layers"]
         self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_size, self.hidden_size = config["head_size"], config["hidden_size"]
@@ -308,11 +308,11 @@ class LlamaModel(torch.nn.Module):
         if capture_layers is not None and (list(capture_layers) != sorted(set(capture_layers))
                                            or not all(0 <= li < self.num_layers for li in capture_layers)):
             raise ValueError(f"capture_layers {capture_layers} must be distinct, ascending layer ids below {self.num_layers}")
-        if self.compiled_layers is not None and first_layer_input is None:
-            hidden, captured = self.compiled_layers(x, cos, sin, kv, plan, capture_layers)
-        elif (self.fused_layers is not None and first_layer_input is None and capture_layers is None
-              and plan.row_keys is not None):
+        if (self.fused_layers is not None and first_layer_input is None and capture_layers is None
+                and plan.row_keys is not None):
             hidden, captured = self.fused_layers(x, cos, sin, kv, plan), []
+        elif self.compiled_layers is not None and first_layer_input is None:
+            hidden, captured = self.compiled_layers(x, cos, sin, kv, plan, capture_layers)
         else:
             hidden, captured = self._eager_layers(x, cos, sin, kv, plan, capture_layers, first_layer_input)
         rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden

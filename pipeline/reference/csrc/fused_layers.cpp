@@ -1,0 +1,294 @@
+// Decoder layers in one call, for forwards on the row attention kernel (decode steps, short chains):
+// - `dense_layers`: every layer of a small float32 model (a draft). A draft forward of one token per request runs
+//   20-30 small ops per layer, 2-40 us each from Python (the RMSNorm alone is five ATen ops), for arithmetic that
+//   takes a few microseconds at a draft's widths. Each layer is RMSNorm -> qkv GEMM (+ bias) -> RoPE -> KV write and
+//   row attention -> o GEMM -> residual -> RMSNorm -> gate_up GEMM -> SiLU * up -> down GEMM -> residual, then the
+//   final RMSNorm; the GEMMs are at::linear (the eager path's F.linear). The results are close to the eager
+//   layers', not bit-equal (the RMSNorm sums in row order; tests/test_fused_layers.py).
+// - `int8_sq_layers`: every layer of an int8_sq model (W8A8, per-token activations): the same layer with each GEMM
+//   input multiplied by its SmoothQuant 1/smoother and divided by its row's max |x| (`scale_rows`), the GEMM the
+//   project's int8 kernel named by `gemm` (pipeline/reference/int8_grid_gemm.py), its output multiplied back by the
+//   row scale. Between its four GEMMs a layer ran five inductor-compiled regions and five Python calls of custom ops
+//   (pipeline/reference/compiled.py), 4-17 us each, about 2 ms of a SmolLM2 decode step. Every row is computed
+//   alone, in the same order whatever the row count: batch-invariant (tests/test_fused_layers.py).
+// The attention is the row attention op named by `attention` (its AVX-512 or AVX2 build, pipeline/reference/
+// row_attention.py); everything else plain loops over the rows. Python side: pipeline/reference/fused_layers.py.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TENSORS_PER_LAYER = 7;  // input norm, post norm, qkv weight, qkv bias (empty: none), o, gate_up, down
+
+// x float32 [T, n] -> x / sqrt(mean(x^2) + eps) * w, row by row (HF's order: normalise, then scale)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t T = x.size(0), n = x.size(1);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = xp + t * n;
+    float* o = op + t * n;
+    float squares = 0.f;
+    for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
+    const float inv = 1.f / std::sqrt(squares / float(n) + float(eps));
+    for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (r[i] * inv);
+  }
+  return out;
+}
+
+// qkv [T, (H + 2 KVH) * D] -> RoPE'd q [T, H, D], k [T, KVH, D] and v [T, KVH, D]; cos, sin [T, 1, D] (sin signed:
+// rotate_half(x) * sin == roll(x, D / 2) * signed sin)
+void rope_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
+                at::Tensor& q, at::Tensor& k, at::Tensor& v) {
+  const int64_t T = qkv.size(0), D = cos.size(2), half = D / 2, width = qkv.size(1);
+  q = at::empty({T, H, D}, qkv.options());
+  k = at::empty({T, KVH, D}, qkv.options());
+  v = at::empty({T, KVH, D}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = in + t * width;
+    const float* c = cp + t * D;
+    const float* s = sp + t * D;
+    for (int64_t h = 0; h < H + KVH; ++h) {
+      const float* x = row + h * D;
+      float* o = h < H ? q.data_ptr<float>() + (t * H + h) * D : k.data_ptr<float>() + (t * KVH + h - H) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
+    }
+    std::memcpy(v.data_ptr<float>() + t * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+  }
+}
+
+// gate_up [T, 2 I] -> silu(gate) * up [T, I]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = in[t * 2 * I + i];
+      op[t * I + i] = g / (1.f + std::exp(-g)) * in[t * 2 * I + I + i];
+    }
+  return out;
+}
+
+// x += y (same shape, contiguous)
+void add_(at::Tensor& x, const at::Tensor& y) {
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
+}
+
+// write_and_attend(q, k_new, v_new, new_slots, k, v, slots, starts, lengths, scale) -> [T, H * D]
+using AttendSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor, double);
+using AttendOp = c10::TypedOperatorHandle<AttendSignature>;
+
+// The write_and_attend op registered as `name`, looked up in the dispatcher once per name (not once per forward)
+AttendOp attend_op(const std::string& name) {
+  static std::mutex lock;
+  static std::unordered_map<std::string, AttendOp> ops;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = ops.find(name);
+  if (found == ops.end())
+    found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")
+                                  .typed<AttendSignature>()).first;
+  return found->second;
+}
+
+// x float32 [T, hidden] (the embeddings) through every layer and the final norm -> [T, hidden]. weights: 7 per layer
+// (TENSORS_PER_LAYER; float32, matrices in any layout at::linear takes); k, v: the caches [layers, slots, KVH, D];
+// new_slots [T] where the new tokens' KV goes; (slots, starts, lengths): the rows' keys as the row attention op
+// takes them.
+at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
+                        at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots,
+                        at::Tensor starts, at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
+                        double eps, double scale, std::string attention) {
+  const int64_t L = k.size(0);
+  TORCH_CHECK(int64_t(weights.size()) == L * TENSORS_PER_LAYER && v.size(0) == L,
+              "dense_layers: ", TENSORS_PER_LAYER, " weights per layer of the caches k, v [layers, slots, KVH, D]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && cos.dim() == 3 && cos.size(0) == x.size(0)
+              && sin.sizes() == cos.sizes(), "dense_layers: x must be float32 [T, hidden], cos and sin [T, 1, D]");
+  for (const at::Tensor& w : weights)
+    TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == at::kFloat && (w.dim() == 2 || w.is_contiguous())),
+                "dense_layers: weights must be float32 (norms and biases contiguous)");
+  const AttendOp attend = attend_op(attention);
+  x = x.contiguous().clone();  // the residual stream, updated in place
+  cos = cos.contiguous(), sin = sin.contiguous();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * TENSORS_PER_LAYER;
+    const std::optional<at::Tensor> bias = w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt;
+    const at::Tensor qkv = at::linear(rms_norm(x, w[0], eps), w[2], bias);
+    at::Tensor q, kn, vn;
+    rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
+    at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
+                                  scale);  // [T, H * D]
+    add_(x, at::linear(attn, w[4]));
+    add_(x, at::linear(silu_mul(at::linear(rms_norm(x, w[1], eps), w[5])), w[6]));
+  }
+  return rms_norm(x, final_norm, eps);
+}
+
+
+constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoother of the qkv, o, gate_up and down
+                                                // inputs; qkv bias; (packed, offset, multiplier) of qkv, o, gate_up, down
+
+// Rows [T, n] -> out = a / s and s = max |a| (at least 1e-30) per row, a = x * inv_smoother: the int8 GEMM's input
+// (`scale_rows`). With norm: a = rms_norm(x) * inv_smoother.
+void scale_rows(const float* x, int64_t T, int64_t n, const float* norm, double eps, const float* inv_smoother,
+                float* out, float* s) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = x + t * n;
+    float* o = out + t * n;
+    float inv = 1.f;
+    if (norm != nullptr) {
+      float squares = 0.f;
+      for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
+      inv = 1.f / std::sqrt(squares / float(n) + float(eps));
+    }
+    float top = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = (norm != nullptr ? norm[i] * (r[i] * inv) : r[i]) * inv_smoother[i];
+      top = std::max(top, std::fabs(o[i]));
+    }
+    s[t] = std::max(top, 1e-30f);
+    for (int64_t i = 0; i < n; ++i) o[i] /= s[t];
+  }
+}
+
+// The int8 GEMM op (VNNI or AVX2 build, by name), looked up in the dispatcher once per name
+using VnniSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t);
+using Avx2Signature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t);
+
+struct Int8Gemm {
+  c10::OperatorHandle op;
+  bool vnni;  // the VNNI build takes amx_min_rows
+  double step;
+  int64_t zero_point, amx_min_rows;
+
+  // x_unit [T, in] (rows already divided by their scale) -> [T, out] float32, unscaled
+  at::Tensor operator()(const at::Tensor& x_unit, const at::Tensor* w) const {
+    if (vnni)
+      return op.typed<VnniSignature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, amx_min_rows);
+    return op.typed<Avx2Signature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point);
+  }
+};
+
+c10::OperatorHandle find_op(const std::string& name) {
+  static std::mutex lock;
+  static std::unordered_map<std::string, c10::OperatorHandle> ops;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = ops.find(name);
+  if (found == ops.end()) found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")).first;
+  return found->second;
+}
+
+// x float32 [T, hidden] (the embeddings) through every int8_sq layer and the final norm -> [T, hidden]. weights: 19 per
+// layer (INT8_TENSORS_PER_LAYER; float32 and contiguous, the int8 GEMMs' packed weights, int32 offsets and float32
+// multipliers as int8_grid_gemm.PackedInt8 holds them); k, v, new_slots, slots, starts, lengths: as dense_layers;
+// gemm: the int8 GEMM op's name with its grid (step, zero_point) and amx_min_rows (the VNNI build's).
+at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
+                          at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots, at::Tensor starts,
+                          at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps,
+                          double scale, std::string attention, std::string gemm, double step, int64_t zero_point,
+                          int64_t amx_min_rows) {
+  const int64_t L = k.size(0), T = x.size(0), hidden = x.size(1), D = cos.size(2), HD = heads * D;
+  TORCH_CHECK(int64_t(weights.size()) == L * INT8_TENSORS_PER_LAYER && v.size(0) == L,
+              "int8_sq_layers: ", INT8_TENSORS_PER_LAYER, " weights per layer of the caches k, v [layers, slots, KVH, D]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && cos.dim() == 3 && cos.size(0) == T
+              && sin.sizes() == cos.sizes(), "int8_sq_layers: x must be float32 [T, hidden], cos and sin [T, 1, D]");
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t i = 0; i < 7; ++i) {
+      const at::Tensor& w = weights[l * INT8_TENSORS_PER_LAYER + i];
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "int8_sq_layers: norms, 1/smoothers and the "
+                  "qkv bias must be contiguous float32");
+    }
+  const int64_t inter = weights[5].numel(), qkv_width = weights[6].numel();
+  TORCH_CHECK(qkv_width == (heads + 2 * kv_heads) * D && weights[2].numel() == hidden && weights[3].numel() == HD,
+              "int8_sq_layers: the qkv bias must be (H + 2 KVH) * D wide, the qkv and o 1/smoothers hidden and H * D");
+  const AttendOp attend = attend_op(attention);
+  const c10::OperatorHandle gemm_op = find_op(gemm);
+  const Int8Gemm int8_gemm{gemm_op, gemm_op.schema().arguments().size() == 8, step, zero_point, amx_min_rows};
+  x = x.contiguous().clone();  // the residual stream, updated in place
+  cos = cos.contiguous(), sin = sin.contiguous();
+  float* xp = x.data_ptr<float>();
+  auto s = at::empty({T}, x.options());  // the current GEMM input's row scales
+  float* sp = s.data_ptr<float>();
+  auto unit = at::empty({T * std::max({hidden, HD, inter})}, x.options());  // the current GEMM input [T, n], in [-1, 1]
+  float* up = unit.data_ptr<float>();
+  auto rows = [&](int64_t n) { return unit.narrow(0, 0, T * n).view({T, n}); };
+  auto row_scaled = [&](const at::Tensor& y, int64_t t) { return y.data_ptr<float>() + t * y.size(1); };
+  auto qkv = at::empty({T, qkv_width}, x.options());
+  float* qp = qkv.data_ptr<float>();
+  scale_rows(xp, T, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up, sp);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * INT8_TENSORS_PER_LAYER;
+    const float* bias = w[6].data_ptr<float>();
+    // qkv: rescale, + bias, RoPE, KV write and row attention
+    const at::Tensor y_qkv = int8_gemm(rows(hidden), w + 7);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* y = row_scaled(y_qkv, t);
+      for (int64_t i = 0; i < qkv_width; ++i) qp[t * qkv_width + i] = y[i] * sp[t] + bias[i];
+    }
+    at::Tensor q, kn, vn;
+    rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
+    const at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
+                                        scale);  // [T, H * D]
+    scale_rows(attn.data_ptr<float>(), T, HD, nullptr, eps, w[3].data_ptr<float>(), up, sp);
+    // o: residual, post norm, gate_up
+    const at::Tensor y_o = int8_gemm(rows(HD), w + 10);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* y = row_scaled(y_o, t);
+      for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
+    }
+    scale_rows(xp, T, hidden, w[1].data_ptr<float>(), eps, w[4].data_ptr<float>(), up, sp);
+    const at::Tensor y_gate_up = int8_gemm(rows(hidden), w + 13);  // [T, 2 I]
+    // SiLU(gate) * up, down, residual
+    auto act = at::empty({T, inter}, x.options());
+    float* ap = act.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float* y = row_scaled(y_gate_up, t);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = y[i] * sp[t];
+        ap[t * inter + i] = g / (1.f + std::exp(-g)) * (y[inter + i] * sp[t]);
+      }
+    }
+    scale_rows(ap, T, inter, nullptr, eps, w[5].data_ptr<float>(), up, sp);
+    const at::Tensor y_down = int8_gemm(rows(inter), w + 16);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* y = row_scaled(y_down, t);
+      for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
+    }
+    if (l + 1 < L) {
+      const at::Tensor* next = w + INT8_TENSORS_PER_LAYER;
+      scale_rows(xp, T, hidden, next[0].data_ptr<float>(), eps, next[2].data_ptr<float>(), up, sp);
+    }
+  }
+  return rms_norm(x, final_norm, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
+  m.def("dense_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
+        "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
+        "float eps, float scale, str attention) -> Tensor", &dense_layers);
+  m.def("int8_sq_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
+        "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
+        "float eps, float scale, str attention, str gemm, float step, int zero_point, int amx_min_rows) -> Tensor",
+        &int8_sq_layers);
+}
