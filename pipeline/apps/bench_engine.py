@@ -17,7 +17,7 @@ measured in the same run). Pairs:
 Writes docs/bench-engine.json, docs/bench-engine.md and docs/img/bench-engine-speedup.png.
 
     python -m pipeline.apps.bench_engine [--ks 2,4] [--smollm2-ks 4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
-        [--repeats 3] [--trained-engine out/trained-int8/engines/target]
+        [--repeats 3] [--trained-repeats 9] [--trained-engine out/trained-int8/engines/target]
 """
 
 from __future__ import annotations
@@ -444,6 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds over our runs, interleaved: best tok/s kept, speedups the median of each round's "
                              "against the same round's plain run (default 3)")
+    parser.add_argument("--trained-repeats", type=int, default=9,
+                        help="rounds for the trained pairs (default 9): a run of theirs takes a fraction of a second, "
+                             "within which the shared machine's speed moves 10-20%%, so their ratios need more rounds "
+                             "(the SmolLM2 pairs' runs take seconds)")
     parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
     parser.add_argument("--out", default="docs", help="folder for bench-engine.{json,md} and img/")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per request (default 128)")
@@ -456,12 +460,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     rows: list[dict] = []
     pair_ks = {p.name: smollm2_ks if p.name.startswith("smollm2") else ks for p in pairs}
-    total = sum(args.repeats * (2 * (1 + len(k)) + (3 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
+    repeats = {p.name: args.trained_repeats if p.name.startswith("trained") else args.repeats for p in pairs}
+    total = sum(repeats[name] * (2 * (1 + len(k)) + (3 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
                 for name, k in pair_ks.items())
     with tqdm(total=total, desc="bench-engine", unit="run") as progress:
         for pair in pairs:
             engine = args.smollm2_engine if pair.target == SMOLLM2 else args.trained_engine
-            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, args.repeats)
+            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, repeats[pair.name])
     speedups(rows)
     argv = sys.argv[1:] if argv is None else argv
     command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
