@@ -46,3 +46,23 @@ def test_inputs_it_cannot_take_are_refused_by_name():
         layer(torch.randn(2, 32))
     with pytest.raises(RuntimeError, match="x has 30 columns"):
         layer(torch.randn(2, 30).bfloat16())
+
+
+@pytest.mark.parametrize("vocab, in_features, near_ties", [(3000, 64, True), (4100, 576, False)])
+def test_the_screening_op_replaces_what_the_python_screening_replaces(vocab, in_features, near_ties, monkeypatch):
+    """ScreenedOutputLayer screens on `screen_logits` where this kernel runs, else in torch ops: the same logits,
+    bit for bit (the same candidates, exact logits summed in float64 and rounded once)."""
+    from pipeline.reference.linear import ScreenedOutputLayer, screen_gemm
+
+    g = torch.Generator().manual_seed(vocab)
+    w = torch.randn(vocab, in_features, generator=g) * 0.2
+    x = torch.randn(40, in_features, generator=g) * 4
+    if near_ties:  # tokens whose bf16 logits tie near the top, past the last whole 256-token block
+        w[vocab - 110:vocab - 98] = w[vocab - 110] + torch.randn(12, in_features, generator=g) * 1e-4
+        x[:20] = w[vocab - 110] * 30 + torch.randn(20, in_features, generator=g) * 0.1
+    layer = ScreenedOutputLayer(w, screen_gemm())
+    approx = layer._gemm(x.bfloat16()).float()
+    fused = layer(x)
+    monkeypatch.setattr(bf16_weight_gemm, "kernel", lambda: None)  # the torch-op screening
+    assert torch.equal(fused, layer(x))
+    assert (fused != approx).sum(dim=1).min() >= 1  # every row had its top replaced by an exact logit

@@ -257,6 +257,10 @@ class ScreenedOutputLayer:
         xb = x.bfloat16()
         with intra_op_threads(self.threads):
             logits = self._gemm(xb).float()  # [R, V] approx
+        if bf16_weight_gemm.kernel() is not None:  # the screening below as one C++ call (bf16_weight_gemm.cpp)
+            torch.ops.specdeploy.screen_logits(x.contiguous(), logits, self.weight16, self.max_norm,
+                                               self.max_rounding_norm, self.gamma, self.flushed, self.output_rounding)
+            return logits
         top = logits.amax(dim=1)  # [R]
         magnitude = torch.maximum(top.abs(), logits.amin(dim=1).abs())  # [R] max_c |approx_c|
         bound = self._bound(x, xb.float(), magnitude)  # [R]
