@@ -16,6 +16,7 @@ from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
+from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the int8 engine builds, a fixture
 from tests.test_model import qwen2_dir  # noqa: F401 - a fixture
 from tests.test_speculative import prompts
@@ -126,16 +127,8 @@ def test_int8_sq_fused_layers_compute_the_compiled_layers(int8_engines):  # noqa
 
 @needs_int8_kernel
 def test_int8_sq_fused_rows_do_not_depend_on_the_batch(int8_engines):  # noqa: F811
-    model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
-    ids = prompts(1)[0] * 4
-    model([SequenceInput(ids[:10], 0, [0, 1])], kv)
-    many = model([SequenceInput(ids[10:16], 10, [0, 1], logits_rows=list(range(6)))], kv).logits  # [6, vocab]
-    for r in range(6):  # row r alone, after the same prefix (its KV rewritten with the same values)
-        alone = model([SequenceInput(ids[10:11 + r], 10, [0, 1], logits_rows=[r])], kv).logits
-        assert torch.equal(alone, many[r:r + 1])
-    pair = model([SequenceInput(ids[10:16], 10, [0, 1], logits_rows=list(range(6))),
-                  SequenceInput(ids[:9], 0, [2, 3])], kv).logits  # a second sequence, 9 rows: 15 in all
-    assert torch.equal(pair[:6], many)
+    model, _ = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    assert_rows_do_not_depend_on_the_batch(model)
 
 
 @needs_int8_kernel
