@@ -125,6 +125,18 @@ def test_int8_sq_fused_layers_compute_the_compiled_layers(int8_engines):  # noqa
     torch.testing.assert_close(fused_kv.v[:, :n], compiled_kv.v[:, :n], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(int8_grid_gemm.kernel() is not int8_grid_gemm.VNNI or not int8_grid_gemm.AVX2.cpu_supported()
+                    or not cpp_ops.loaded(int8_grid_gemm.AVX2), reason="needs both int8 GEMM builds (a VNNI CPU)")
+def test_int8_sq_fused_layers_give_the_same_bits_on_the_avx2_gemm(int8_engines, monkeypatch):  # noqa: F811
+    """The op calls whichever int8 GEMM build the model's weights are packed for; both builds return the same bits."""
+    prompt = prompts(1)[0] * 3
+    vnni = run_steps(*int8_sq_model(int8_engines["int8_sq"], fused=True), prompt)
+    monkeypatch.setattr(int8_grid_gemm, "kernel", lambda: int8_grid_gemm.AVX2)  # weights packed for the AVX2 build
+    model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    assert model.fused_layers.gemm[0] == "specdeploy::int8_grid_gemm_avx2"
+    assert torch.equal(run_steps(model, kv, prompt), vnni)
+
+
 @needs_int8_kernel
 def test_int8_sq_fused_rows_do_not_depend_on_the_batch(int8_engines):  # noqa: F811
     model, _ = int8_sq_model(int8_engines["int8_sq"], fused=True)

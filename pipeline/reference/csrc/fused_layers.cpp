@@ -98,17 +98,18 @@ using AttendSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                    at::Tensor, at::Tensor, double);
 using AttendOp = c10::TypedOperatorHandle<AttendSignature>;
 
-// The write_and_attend op registered as `name`, looked up in the dispatcher once per name (not once per forward)
-AttendOp attend_op(const std::string& name) {
+// The op registered as `name`, looked up in the dispatcher once per name (not once per forward)
+c10::OperatorHandle find_op(const std::string& name) {
   static std::mutex lock;
-  static std::unordered_map<std::string, AttendOp> ops;
+  static std::unordered_map<std::string, c10::OperatorHandle> ops;
   std::lock_guard<std::mutex> guard(lock);
   auto found = ops.find(name);
-  if (found == ops.end())
-    found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")
-                                  .typed<AttendSignature>()).first;
+  if (found == ops.end()) found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")).first;
   return found->second;
 }
+
+// The write_and_attend op registered as `name`
+AttendOp attend_op(const std::string& name) { return find_op(name).typed<AttendSignature>(); }
 
 // x float32 [T, hidden] (the embeddings) through every layer and the final norm -> [T, hidden]. weights: 7 per layer
 // (TENSORS_PER_LAYER; float32, matrices in any layout at::linear takes); k, v: the caches [layers, slots, KVH, D];
@@ -188,15 +189,6 @@ struct Int8Gemm {
   }
 };
 
-c10::OperatorHandle find_op(const std::string& name) {
-  static std::mutex lock;
-  static std::unordered_map<std::string, c10::OperatorHandle> ops;
-  std::lock_guard<std::mutex> guard(lock);
-  auto found = ops.find(name);
-  if (found == ops.end()) found = ops.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")).first;
-  return found->second;
-}
-
 // x float32 [T, hidden] (the embeddings) through every int8_sq layer and the final norm -> [T, hidden]. weights: 19 per
 // layer (INT8_TENSORS_PER_LAYER; float32 and contiguous, the int8 GEMMs' packed weights, int32 offsets and float32
 // multipliers as int8_grid_gemm.PackedInt8 holds them); k, v, new_slots, slots, starts, lengths: as dense_layers;
@@ -230,8 +222,8 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   float* sp = s.data_ptr<float>();
   auto unit = at::empty({T * std::max({hidden, HD, inter})}, x.options());  // the current GEMM input [T, n], in [-1, 1]
   float* up = unit.data_ptr<float>();
-  auto rows = [&](int64_t n) { return unit.narrow(0, 0, T * n).view({T, n}); };
-  auto row_scaled = [&](const at::Tensor& y, int64_t t) { return y.data_ptr<float>() + t * y.size(1); };
+  auto gemm_input = [&](int64_t n) { return unit.narrow(0, 0, T * n).view({T, n}); };
+  auto row_of = [](const at::Tensor& y, int64_t t) { return y.data_ptr<float>() + t * y.size(1); };  // a GEMM output's
   auto qkv = at::empty({T, qkv_width}, x.options());
   float* qp = qkv.data_ptr<float>();
   scale_rows(xp, T, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up, sp);
@@ -239,9 +231,9 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
     const at::Tensor* w = weights.data() + l * INT8_TENSORS_PER_LAYER;
     const float* bias = w[6].data_ptr<float>();
     // qkv: rescale, + bias, RoPE, KV write and row attention
-    const at::Tensor y_qkv = int8_gemm(rows(hidden), w + 7);
+    const at::Tensor y_qkv = int8_gemm(gemm_input(hidden), w + 7);
     for (int64_t t = 0; t < T; ++t) {
-      const float* y = row_scaled(y_qkv, t);
+      const float* y = row_of(y_qkv, t);
       for (int64_t i = 0; i < qkv_width; ++i) qp[t * qkv_width + i] = y[i] * sp[t] + bias[i];
     }
     at::Tensor q, kn, vn;
@@ -250,27 +242,27 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
                                         scale);  // [T, H * D]
     scale_rows(attn.data_ptr<float>(), T, HD, nullptr, eps, w[3].data_ptr<float>(), up, sp);
     // o: residual, post norm, gate_up
-    const at::Tensor y_o = int8_gemm(rows(HD), w + 10);
+    const at::Tensor y_o = int8_gemm(gemm_input(HD), w + 10);
     for (int64_t t = 0; t < T; ++t) {
-      const float* y = row_scaled(y_o, t);
+      const float* y = row_of(y_o, t);
       for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
     }
     scale_rows(xp, T, hidden, w[1].data_ptr<float>(), eps, w[4].data_ptr<float>(), up, sp);
-    const at::Tensor y_gate_up = int8_gemm(rows(hidden), w + 13);  // [T, 2 I]
+    const at::Tensor y_gate_up = int8_gemm(gemm_input(hidden), w + 13);  // [T, 2 I]
     // SiLU(gate) * up, down, residual
     auto act = at::empty({T, inter}, x.options());
     float* ap = act.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
-      const float* y = row_scaled(y_gate_up, t);
+      const float* y = row_of(y_gate_up, t);
       for (int64_t i = 0; i < inter; ++i) {
         const float g = y[i] * sp[t];
         ap[t * inter + i] = g / (1.f + std::exp(-g)) * (y[inter + i] * sp[t]);
       }
     }
     scale_rows(ap, T, inter, nullptr, eps, w[5].data_ptr<float>(), up, sp);
-    const at::Tensor y_down = int8_gemm(rows(inter), w + 16);
+    const at::Tensor y_down = int8_gemm(gemm_input(inter), w + 16);
     for (int64_t t = 0; t < T; ++t) {
-      const float* y = row_scaled(y_down, t);
+      const float* y = row_of(y_down, t);
       for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
     }
     if (l + 1 < L) {
