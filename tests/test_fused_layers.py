@@ -14,6 +14,7 @@ import torch
 from pipeline.reference import compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
+from pipeline.reference.linear import intra_op_threads
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
 from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
@@ -135,6 +136,20 @@ def test_int8_sq_fused_layers_give_the_same_bits_on_the_avx2_gemm(int8_engines, 
     model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
     assert model.fused_layers.gemm[0] == "specdeploy::int8_grid_gemm_avx2"
     assert torch.equal(run_steps(model, kv, prompt), vnni)
+
+
+@needs_int8_kernel
+def test_int8_sq_fused_layers_give_the_same_bits_on_one_thread_and_two(int8_engines):  # noqa: F811
+    """A verify's rows are split over the threads between the op's calls: no bit may depend on that (the engine picks
+    its decode threads by speed alone, decode_threads.choose)."""
+    prompt = prompts(1)[0] * 3
+    outs = []
+    for threads in (1, 2):
+        model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+        model.decode_threads = threads  # the threads of every forward in exact mode
+        with intra_op_threads(threads):
+            outs.append(run_steps(model, kv, prompt))
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_int8_kernel
