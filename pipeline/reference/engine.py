@@ -87,7 +87,8 @@ class EngineConfig(EngineLimits):
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md
-    # "Decode step"), and forwards on the row attention kernel as one C++ call (fused_layers.py); others ignore it. On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
+    # "Decode step"), and forwards on the row attention kernel as one C++ call (fused_layers.py); others ignore it.
+    # On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
     compiled_layers: bool = field(default_factory=lambda: os.environ.get(compiled.ENV, "1") != "0")
 
     @classmethod
