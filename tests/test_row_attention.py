@@ -88,6 +88,28 @@ def test_a_prefills_rows_keep_their_bits_across_work_items_and_threads(isa):
 
 
 @ISAS
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_a_verifys_query_heads_split_across_threads_keep_their_bits(heads, kv_heads, isa):
+    """A verify of one sequence gives fewer work items than twice the threads: the kernel splits a KV head's query
+    heads into items of their own. The same bits as one thread computing each KV head whole, for any such split."""
+    attend = functools.partial(row_attention.row_attention, isa=isa)
+    g = torch.Generator().manual_seed(heads)
+    k, v = torch.randn(300, kv_heads, 64, generator=g), torch.randn(300, kv_heads, 64, generator=g)
+    q = torch.randn(6, heads, 64, generator=g) * 3
+    keys = (torch.randperm(300, generator=g), torch.zeros(6, dtype=torch.long), torch.arange(252, 258))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 4):  # 1: one item per KV head; 2 and 4: parts of its query heads
+            torch.set_num_threads(threads)
+            outs.append(attend(q, k, v, keys, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert (outs[0].double() - reference(q, k, v, *keys)).abs().max() < 1e-5
+
+
+@ISAS
 def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention(isa):
     """The fused call the model makes per layer: the new tokens' keys and values (strided rows, as views of the qkv
     projection) land at their slots, and the result is row_attention's over the cache written the usual way."""

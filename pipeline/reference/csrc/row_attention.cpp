@@ -387,13 +387,22 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   for (int64_t r = 0; r < R; ++r)
     if (r == 0 || st[r] != st[r - 1] || r - first.back() == ROWS_PER_ITEM) first.push_back(r);
   first.push_back(R);
-  const int64_t items = (int64_t(first.size()) - 1) * KVH;
+  // A verify of one or two sequences gives fewer items than twice the threads (SmolLM2: 3 KV heads on 2 threads, one
+  // thread idle a third of the time): then a KV head's query heads split into parts, each an item. A part re-reads
+  // its KV head's keys, which paid for verify rows and not for a single row (docs/benchmarks.md); a pair's result does
+  // not depend on the other pairs of its item, so the bits stay.
+  const int64_t row_groups = int64_t(first.size()) - 1, threads = at::get_num_threads();
+  const int64_t wanted = row_groups * KVH >= 2 * threads || R == row_groups ? 1
+                         : std::min(group, (2 * threads + row_groups * KVH - 1) / (row_groups * KVH));
+  const int64_t heads_per_part = (group + wanted - 1) / wanted, parts = (group + heads_per_part - 1) / heads_per_part;
+  const int64_t per_group = KVH * parts;  // items per row group
+  const int64_t items = row_groups * per_group;
   // handed out one at a time, longest keys first (a prefill's later rows cost more): which thread computes a row
   // never changes its bits
   std::vector<int64_t> order(items);
   for (int64_t u = 0; u < items; ++u) order[u] = u;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return ln[first[a / KVH + 1] - 1] > ln[first[b / KVH + 1] - 1];
+    return ln[first[a / per_group + 1] - 1] > ln[first[b / per_group + 1] - 1];
   });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -403,12 +412,13 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
     std::vector<float*> os;
     std::vector<int64_t> lens;
     for (int64_t i = next++; i < items; i = next++) {
-      const int64_t u = order[i], gi = u / KVH, g = u % KVH;
+      const int64_t u = order[i], gi = u / per_group, g = u % per_group / parts, part = u % parts;
+      const int64_t h0 = g * group + part * heads_per_part, h1 = std::min((g + 1) * group, h0 + heads_per_part);
       qs.clear(), os.clear(), lens.clear();
       int64_t longest_here = 0;
       for (int64_t r = first[gi]; r < first[gi + 1]; ++r) {
         longest_here = std::max(longest_here, ln[r]);
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           qs.push_back(qp + (r * H + h) * D);
           os.push_back(op + (r * H + h) * D);
           lens.push_back(ln[r]);
