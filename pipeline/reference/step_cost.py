@@ -44,10 +44,8 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch
     one row each for a plain step and a draft step, K + 1 rows each for the verify), the three forwards
     interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in wall time (what
     serving pays). A round's forwards run back to back, so a change in the machine's load between rounds cancels
-    out. The best round of each forward in CPU time, as before, measured the default engine's cost 0.003-0.06 at
-    batch 1 and 0.15-0.23 at 4 in flight in five runs a minute apart (wall-time rounds: 0.030-0.034 and 0.26-0.29):
-    CPU time counts both OpenMP threads, their spinning included, and the best round of one forward need not
-    meet the best of the other.
+    out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not meet:
+    docs/benchmarks.md has the spread of each).
     draft None: prompt lookup (no draft forwards). Clipped at 0 (noise can time K + 1 rows below one).
     """
     if k < 1:

@@ -41,6 +41,13 @@ void each_row(int64_t T, const F& f) {
   });
 }
 
+// 1 / sqrt(mean(r^2) + eps) of a row r [n], its squares summed in order
+inline float inv_rms(const float* r, int64_t n, double eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
+  return 1.f / std::sqrt(squares / float(n) + float(eps));
+}
+
 // x float32 [T, n] -> x / sqrt(mean(x^2) + eps) * w, row by row (HF's order: normalise, then scale)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t T = x.size(0), n = x.size(1);
@@ -51,9 +58,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   each_row(T, [&](int64_t t) {
     const float* r = xp + t * n;
     float* o = op + t * n;
-    float squares = 0.f;
-    for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
-    const float inv = 1.f / std::sqrt(squares / float(n) + float(eps));
+    const float inv = inv_rms(r, n, eps);
     for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (r[i] * inv);
   });
   return out;
@@ -164,12 +169,7 @@ constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoo
 // A row r [n] -> o = a / s and s = max |a| (at least 1e-30), a = r * inv_smoother: the int8 GEMM's input row
 // (`scale_rows`). With norm: a = rms_norm(r) * inv_smoother.
 void scale_row(const float* r, int64_t n, const float* norm, double eps, const float* inv_smoother, float* o, float* s) {
-  float inv = 1.f;
-  if (norm != nullptr) {
-    float squares = 0.f;
-    for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
-    inv = 1.f / std::sqrt(squares / float(n) + float(eps));
-  }
+  const float inv = norm != nullptr ? inv_rms(r, n, eps) : 1.f;
   float top = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     o[i] = (norm != nullptr ? norm[i] * (r[i] * inv) : r[i]) * inv_smoother[i];

@@ -405,7 +405,7 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
     return ln[first[a / per_group + 1] - 1] > ln[first[b / per_group + 1] - 1];
   });
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(items, threads), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     alignas(64) float kt[MAX_HEAD_SIZE * LANES];
     std::vector<const float*> qs;
