@@ -164,8 +164,16 @@ def test_the_engine_runs_an_int8_sq_target_on_fused_layers_beside_its_compiled_o
         return LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128, max_input_len=64,
                                          **overrides).model
 
-    assert isinstance(engine_model(compiled_layers=True).fused_layers, fused_layers.FusedInt8Layers)
+    model = engine_model(compiled_layers=True)  # outside exact mode: prompts on the compiled regions and SDPA
+    assert isinstance(model.fused_layers, fused_layers.FusedInt8Layers) and model.compiled_layers is not None
     assert engine_model(compiled_layers=False).fused_layers is None  # eager layers, as the suite runs them
+    # exact mode (as served): every forward on the fused layers, no regions compiled (seconds of a server's start);
+    # its decode thread count is a matter of speed, as with the regions
+    model = engine_model(compiled_layers=True, batch_invariant=True)
+    assert isinstance(model.fused_layers, fused_layers.FusedInt8Layers) and model.compiled_layers is None
+    assert model.thread_count_invariant(model.new_kv_cache(2, 32))
+    # ... but a forward over an INT8 KV cache is off the row attention kernel: the regions run it
+    assert engine_model(compiled_layers=True, batch_invariant=True, kv_cache_quant_algo="INT8").compiled_layers is not None
     monkeypatch.setenv(fused_layers.ENV, "0")
     model = engine_model(compiled_layers=True)
     assert model.compiled_layers is not None and model.fused_layers is None

@@ -86,8 +86,9 @@ class EngineConfig(EngineLimits):
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
-    # float32 int8_sq engines: the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md
-    # "Decode step"), and forwards on the row attention kernel as one C++ call (fused_layers.py); others ignore it.
+    # float32 int8_sq engines: forwards on the row attention kernel as one C++ call (fused_layers.py), the others with
+    # the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md "Decode step"; not built where
+    # every forward is fused: exact mode without an INT8 KV cache or a hidden-state proposer); others ignore it.
     # On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
     compiled_layers: bool = field(default_factory=lambda: os.environ.get(compiled.ENV, "1") != "0")
 
@@ -167,9 +168,10 @@ class LLMEngine:
         self.proposer = proposer
         model.batch_invariant = self.config.batch_invariant
         if self.config.compiled_layers and model.compiled_layers is None:
-            model.compiled_layers = compiled.build(model)
-        if model.compiled_layers is not None and model.fused_layers is None:
-            model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
+            if model.fused_layers is None and compiled.eligible(model) is None:
+                model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
+            if not self._fused_layers_run_every_forward():  # the regions take the others (3.7 s to load, 17 to compile)
+                model.compiled_layers = compiled.build(model)  # None, saying why, where the model is not eligible
         if self.config.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")
@@ -181,6 +183,14 @@ class LLMEngine:
         self.running: list[_Sequence] = []
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
+
+    def _fused_layers_run_every_forward(self) -> bool:
+        """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: exact
+        mode (every forward on the row attention kernel, model.forward) over an unquantized KV cache, with no proposer
+        that reads hidden states (Medusa and EAGLE verify trees and capture layers, off that kernel)."""
+        return (self.model.fused_layers is not None and self.config.batch_invariant
+                and self.config.kv_cache_quant_algo is None
+                and not (self.proposer is not None and self.proposer.needs_hidden_states))
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, proposer: Proposer | None = None, choices=None,

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import row_attention
+from pipeline.reference.fused_layers import FusedInt8Layers
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, ScreenedOutputLayer,
                                        intra_op_threads, output_layer_16bit, wide_layout)
@@ -226,11 +227,14 @@ class LlamaModel(torch.nn.Module):
 
     def thread_count_invariant(self, kv: KVCache) -> bool:
         """Whether a small forward over `kv` gives the same bits on any thread count: it runs on the project's
-        kernels alone (compiled regions, fixed at one thread, around the int8 kernel; row attention; an output
-        layer on the fp16 kernel or on its own fixed threads), each of which computes an output element on one
-        thread in a fixed order. Then `decode_threads` is a matter of speed only (decode_threads.choose)."""
+        kernels alone (compiled regions, fixed at one thread, around the int8 kernel, or, in exact mode, where every
+        forward runs on them, the fused int8 layers; row attention; an output layer on the fp16 kernel or on its own
+        fixed threads), each of which computes an output element on one thread in a fixed order. Then
+        `decode_threads` is a matter of speed only (decode_threads.choose)."""
         lm_head = self.lm_head_linear
-        return (self.compiled_layers is not None and self.dtype == torch.float32 and not kv.quantized
+        layers_on_kernels = (self.compiled_layers is not None
+                             or self.batch_invariant and isinstance(self.fused_layers, FusedInt8Layers))
+        return (layers_on_kernels and self.dtype == torch.float32 and not kv.quantized
                 and row_attention.kernel() is not None
                 and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                 and all(layer[k].kernel is not None for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))
