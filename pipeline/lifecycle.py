@@ -6,8 +6,9 @@ BLS's own calls to the target, so in-flight requests fail instead of finishing. 
 
 - `check(...)` (CLI `python -m pipeline health SPEC [--live]`, the Deployment's exec probes) says
   why the server is not ready / not live, or nothing when it is:
-  live   = Triton answers /v2/health/live, every python model's stub is running, and the BLS reports
-           every model it calls as up; a dead draft does not count with serving.draft_failure=degraded;
+  live   = Triton answers /v2/health/live, every python model's stub is running and none of the text models'
+           stubs is frozen (its heartbeat silent for STALE_S seconds: pipeline.serving.heartbeat), and the BLS
+           reports every model it calls as up; a dead draft does not count with serving.draft_failure=degraded;
   ready  = live, Triton ready, and no drain started.
 - `drain(...)` (run by `pipeline serve` on SIGTERM, and by `python -m pipeline drain SPEC` as the
   Deployment's preStop hook): readiness false, then after `unready_delay_s` new requests are refused,
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.names import BLS_MODEL, DRAFT_MODEL, IN_FLIGHT_METRIC, MODEL_UP_METRIC
+from pipeline.serving import heartbeat
 from pipeline.serving.drain import ABORTING, DRAINING, SERVING, UNREADY, drain_path, read_state, write_state
 
 STUB = "triton_python_backend_stub"
@@ -42,6 +44,7 @@ class Endpoints:
     repo: Path  # its model repository (the stubs' command lines name their model.py in it)
     drain_file: Path
     draft_failure: str = "restart"  # serving.draft_failure
+    stale_s: float = heartbeat.STALE_S  # a text model's stub silent for longer is frozen
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -113,6 +116,12 @@ def check(ep: Endpoints, live_only: bool = False) -> list[str]:
     for model, count in sorted(expected_stubs(ep.repo).items()):
         if len(have.get(model, [])) < count and model not in tolerated:
             reasons.append(f"the python stub of {model} is not running ({len(have.get(model, []))} of {count})")
+    for model, pids in sorted(have.items()):
+        for pid in pids:
+            silent = heartbeat.silent_for(ep.drain_file, model, pid)
+            if silent is not None and silent > ep.stale_s and model not in tolerated:
+                reasons.append(f"the python stub of {model} (pid {pid}) has run no Python for {silent:.0f} s: frozen "
+                               f"(`kill -USR1 {pid}` writes its threads' stacks to the server log)")
     status, text = http_get(ep.metrics_url)
     for model in sorted(models_down(text) - tolerated):
         reasons.append(f"{BLS_MODEL} reports {model} down")

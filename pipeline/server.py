@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
 from pipeline.lifecycle import http_get
+from pipeline.serving import heartbeat
 from pipeline.serving.drain import DRAIN_ENV, SERVING, drain_path, write_state
 
 # The stub ignores PYTHONPATH but puts its working directory on sys.path: models import `pipeline`
@@ -267,6 +268,7 @@ class TritonServer:
         for path in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             path.unlink(missing_ok=True)
         write_state(self.drain_file, SERVING)
+        shutil.rmtree(heartbeat.beats_dir(self.drain_file), ignore_errors=True)
         shutil.rmtree(self.workdir / "backends", ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":

@@ -5,6 +5,7 @@ Cancellation and bad input use the session server (`triton_server`); the dead dr
 each get their own server, since they end it.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 
 from clients.client import ClientError, GenerateRequest, SamplingParams, TritonClient
 from pipeline.lifecycle import Endpoints, check, stub_pids
+from pipeline.serving import heartbeat
 from pipeline.serving.bls import PLAIN_CHUNK_TOKENS
 from pipeline.serving.drain import DRAIN_ENV, DRAINING, read_state
 from tests.test_server_triton import prompts
@@ -30,6 +32,7 @@ K = 3
 STALL_S = 4.0  # serving.stall_timeout_s of the dead-draft server
 DRAIN_S = 6.0  # serving.drain_timeout_s of the drained server
 DRAIN_LONG = 900  # tokens: takes far longer than DRAIN_S (the drained server's engines allow 1024)
+FROZEN_S = 3.0  # the stale bound the frozen-stub check runs with (the Deployment's: heartbeat.STALE_S)
 
 
 def engine_steps(metrics_url: str) -> dict[str, float]:
@@ -141,6 +144,36 @@ def _run_streams(client_url: str, requests: list[GenerateRequest], results: list
     return threads
 
 
+def stub_stacks(repo: Path, log_file: Path, lines: int = 300) -> str:
+    """The server log's tail after every python stub of `repo` wrote its threads' stacks there (SIGUSR1,
+    triton_io.enable_fault_dumps): what a failed fault test shows of a stuck stub."""
+    for pids in stub_pids(repo).values():
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
+
+
+def assert_a_frozen_stub_is_not_live(ep: Endpoints) -> None:
+    """A stub whose interpreter stops (SIGSTOP here; Triton 2.51's stub deadlock in production, pipeline.serving.
+    heartbeat) fails liveness once silent for the stale bound, and passes again once it runs."""
+    [pid] = stub_pids(ep.repo)["tensorrt_llm_bls"]
+    ep = dataclasses.replace(ep, stale_s=FROZEN_S)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(FROZEN_S + 2 * heartbeat.BEAT_S)
+        reported = [r for r in check(ep, live_only=True) if "tensorrt_llm_bls" in r]
+        assert len(reported) == 1 and re.fullmatch(
+            rf"the python stub of tensorrt_llm_bls \(pid {pid}\) has run no Python for \d+ s: frozen "
+            rf"\(`kill -USR1 {pid}` writes its threads' stacks to the server log\)", reported[0]), reported
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while any("tensorrt_llm_bls" in r for r in check(ep, live_only=True)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any("tensorrt_llm_bls" in r for r in check(ep, live_only=True))
+
+
 def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, derived_pair, monkeypatch):
     """SIGKILL of the draft's stub during 6 streams: each finishes (falling back to the target, same
     greedy text) within the stall bound, later requests fall back at once, the BLS's metric and log
@@ -155,6 +188,7 @@ def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, d
     with serving(plan) as (server, repo):
         ep = Endpoints(server.http_url, server.metrics_url, repo, server.drain_file, "restart")
         assert check(ep) == []
+        assert_a_frozen_stub_is_not_live(ep)
         with TritonClient(server.grpc_url) as client:
             expected = [client.generate(request(p, LONG, 0)).text for p in texts]
         results: list = [None] * len(texts)
@@ -217,8 +251,11 @@ def test_sigterm_drains_then_exits_0(tmp_path_factory, derived_pair):
         time.sleep(0.5)  # the models read the state at most 0.2 s late
         assert any("shutting down" in r for r in check(ep))
         with TritonClient(url) as client:
-            with pytest.raises(ClientError, match="shutting down and takes no new requests"):
+            with pytest.raises(ClientError) as refused:
                 client.generate(request(texts[0], 4, 0))
+        assert "shutting down and takes no new requests" in str(refused.value), (
+            str(refused.value), check(dataclasses.replace(ep, stale_s=5.0), live_only=True),
+            stub_stacks(repo, plan.spec.out_dir / "tritonserver.log"))
         for t in threads:
             t.join(timeout=120)
         code = proc.wait(timeout=DRAIN_S + 90)

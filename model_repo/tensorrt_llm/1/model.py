@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving import triton_io
+from pipeline.serving import heartbeat, triton_io
 from pipeline.serving.reference_adapter import (REGATHER_S, ResponseBuilder, engine_request, load_serving_engine,
                                                 stop_requested)
 from pipeline.serving.metrics import EngineMetrics, SpecMetrics
@@ -30,6 +30,7 @@ CANCEL_POLL_S = 0.05  # how often a waiting request checks whether its client we
 class TritonPythonModel:
     def initialize(self, args):
         triton_io.enable_fault_dumps()
+        heartbeat.start(args["model_name"])  # `pipeline health --live` sees a frozen stub
         params = triton_io.model_parameters(args)
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
         self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"

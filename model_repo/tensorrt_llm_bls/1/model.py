@@ -16,7 +16,7 @@ import asyncio
 
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving import triton_io
+from pipeline.serving import heartbeat, triton_io
 from pipeline.serving.bls import SpeculativeDecoder, TextResponder
 from pipeline.serving.bls_calls import TritonModelClient
 from pipeline.serving.drain import DrainState
@@ -29,6 +29,7 @@ from pipeline.serving.text import load_tokenizer
 class TritonPythonModel:
     def initialize(self, args):
         triton_io.enable_fault_dumps()
+        heartbeat.start(args["model_name"])  # `pipeline health --live` sees a frozen stub
         self.name = args["model_name"]
         self.settings = BlsSettings.from_parameters(triton_io.model_parameters(args))
         self.input_names = [i["name"] for i in triton_io.model_config(args)["input"]]
