@@ -8,13 +8,19 @@ from collections.abc import Sequence
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens `a` and `b` share. Compared as list slices (in C, not a Python loop per token: a draft
+    model trims its cache to the committed tokens before every draft), bisecting to the first difference."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the first difference, if any, is before hi
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[lo:hi] != b[lo:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def ngram_lookup(token_ids: Sequence[int], k: int, min_ngram: int, max_ngram: int,

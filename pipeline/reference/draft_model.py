@@ -22,6 +22,7 @@ from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
 from pipeline.reference.sampling import SamplingParams, probabilities
+from pipeline.sequences import common_prefix_len
 
 
 @dataclass
@@ -92,10 +93,7 @@ class DraftModelProposer:
     def _start(self, inp: ProposalInput) -> _Job:
         """Trim the request's draft cache to the prefix it shares with the committed tokens; reserve blocks."""
         state = self.sequences.setdefault(inp.request_id, _DraftSequence())
-        keep = 0
-        limit = min(len(state.cached), len(inp.token_ids) - 1)  # the last committed token is always fed
-        while keep < limit and state.cached[keep] == inp.token_ids[keep]:
-            keep += 1
+        keep = common_prefix_len(state.cached, inp.token_ids[:-1])  # the last committed token is always fed
         del state.cached[keep:]
         self.block_manager.ensure_capacity(state.blocks, len(inp.token_ids) + inp.num_tokens)
         return _Job(inp=inp, state=state, feed=inp.token_ids[keep:])
