@@ -474,7 +474,12 @@ class TritonClient:
                 if delta:
                     yield delta
                 if final:
-                    return
+                    break
+            # After the final response the server ends the stream itself (this client sent its one request and
+            # closed its side): wait for that rather than cancel a call Triton is still closing. A cancel at that
+            # moment left Triton 2.51 holding the model, and the server's next stop waited its whole exit timeout
+            # (docs/reliability.md).
+            call.code()
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:
@@ -603,7 +608,8 @@ class AsyncTritonClient:
                 if delta:
                     yield delta
                 if final:
-                    return
+                    break
+            await call.code()  # the server ends the stream after the final response (see the sync client)
         except grpc.RpcError as error:
             raise _grpc_error(error, self.url, self.model) from None
         finally:

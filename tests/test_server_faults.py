@@ -5,6 +5,7 @@ Cancellation and bad input use the session server (`triton_server`); the dead dr
 each get their own server, since they end it.
 """
 
+import asyncio
 import dataclasses
 import math
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import ClientError, GenerateRequest, SamplingParams, TritonClient
+from clients.client import AsyncTritonClient, ClientError, GenerateRequest, SamplingParams, TritonClient
 from pipeline.lifecycle import Endpoints, check, stub_pids
 from pipeline.serving import heartbeat
 from pipeline.serving.bls import PLAIN_CHUNK_TOKENS
@@ -269,3 +270,25 @@ def test_sigterm_drains_then_exits_0(tmp_path_factory, derived_pair):
     assert [r[:2] for r in results[:4]] == [("ok", e) for e in expected]  # finished within the budget
     for result in results[4:]:  # far longer than the budget: an explicit error, never a short final
         assert result[0] == "err" and "the server shut down before this request finished" in result[1], result
+
+
+def test_a_server_stops_within_seconds_after_concurrent_streams(tmp_path_factory, derived_pair):
+    """Our clients let a finished gRPC stream end instead of cancelling it: a cancel right after the final response
+    left Triton 2.51 holding the ensemble model, and the server's next stop waited its whole exit timeout (30 s)."""
+    plan, _ = _fault_spec(tmp_path_factory, derived_pair, "prompt-stop")
+    texts = prompts(4)
+    with serving(plan) as (server, _repo):
+        async def async_streams():
+            async with AsyncTritonClient(server.grpc_url) as client:
+                return await asyncio.gather(*(client.stream_completion(request(p, 40, K)) for p in texts))
+
+        assert all(c.text for c in asyncio.run(async_streams()))
+        results: list = [None] * len(texts)
+        for t in _run_streams(server.grpc_url, [request(p, 40, 0) for p in texts], results, None):
+            t.join(timeout=120)
+        assert [r[0] for r in results] == ["ok"] * len(texts), results
+        start = time.monotonic()
+        server.stop()
+        stopped = time.monotonic() - start
+        log = server.log_file.read_text(errors="replace")
+    assert "Exit timeout expired" not in log and stopped < 20, (stopped, server.log_tail(20))
