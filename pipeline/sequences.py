@@ -10,9 +10,10 @@ from collections.abc import Sequence
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share. Compared as list slices (in C, not a Python loop per token: a draft
     model trims its cache to the committed tokens before every draft), bisecting to the first difference."""
-    a, b = list(a), list(b)
-    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the first difference, if any, is before hi
-    if a[:hi] == b[:hi]:
+    hi = min(len(a), len(b))
+    a, b = list(a[:hi]), list(b[:hi])  # lists (a tuple never equals a list), no longer than the shorter
+    lo = 0  # a[:lo] == b[:lo]; the first difference, if any, is before hi
+    if a == b:
         return hi
     while hi - lo > 1:  # a[lo:hi] != b[lo:hi]
         mid = (lo + hi) // 2
