@@ -77,6 +77,57 @@ def test_the_draft_proposer_runs_fused_layers_and_proposes_the_eager_tokens(tiny
     assert fused_tokens == eager_tokens and [len(t) for t in fused_tokens] == [5, 3, 5]
 
 
+def draft_rounds(proposer, inputs):
+    """Two propose calls: drafts for every input, then, for each request, its first drafts partly accepted (half of
+    them, then a correction) and drafts again. -> (token lists of both calls, each request's cached tokens)."""
+    first = proposer.propose(inputs)
+    for inp, draft in zip(inputs, first):
+        inp.token_ids = inp.token_ids + draft.token_ids[:len(draft.token_ids) // 2] + [5]
+    second = proposer.propose(inputs)
+    return [d.token_ids for d in first + second], {i.request_id: proposer.sequences[i.request_id].cached for i in inputs}
+
+
+def test_greedy_chains_draft_what_forward_by_forward_drafting_drafts(tiny_llama):
+    """One op call per propose (a prompt-long feed first on the prefill path) against a forward per draft token: the
+    same tokens, the same cached tokens, the same KV."""
+    def run(chains: bool):
+        proposer = DraftModelProposer(LlamaModel.from_hf(tiny_llama), max_batch_size=3, max_seq_len=128)
+        assert proposer.greedy_chains
+        proposer.greedy_chains = chains
+        inputs = [ProposalInput("long", list(range(3, 40)), 6), ProposalInput("short", list(range(50, 60)), 3),
+                  ProposalInput("one", list(range(70, 75)), 1)]
+        return (*draft_rounds(proposer, inputs), proposer)
+
+    chain_tokens, chain_cached, chained = run(True)
+    loop_tokens, loop_cached, looped = run(False)
+    assert chain_tokens == loop_tokens and [len(t) for t in chain_tokens] == [6, 3, 1, 6, 3, 1]
+    assert chain_cached == loop_cached
+    for request_id, cached in chain_cached.items():
+        slots = [b * 16 + o for b in chained.sequences[request_id].blocks.blocks for o in range(16)][:len(cached)]
+        assert chained.sequences[request_id].blocks.blocks == looped.sequences[request_id].blocks.blocks
+        torch.testing.assert_close(chained.kv.k[:, slots], looped.kv.k[:, slots], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chained.kv.v[:, slots], looped.kv.v[:, slots], rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_requests_draft_beside_greedy_chains(tiny_llama):
+    proposer = DraftModelProposer(LlamaModel.from_hf(tiny_llama), max_batch_size=2, max_seq_len=128)
+    alone = proposer.propose([ProposalInput("g", list(range(3, 12)), 4)])[0].token_ids
+    proposer.release("g")
+    sampled = ProposalInput("s", list(range(20, 30)), 3, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    greedy, drafted = proposer.propose([ProposalInput("g", list(range(3, 12)), 4), sampled])
+    assert greedy.token_ids == alone and greedy.probs is None
+    assert len(drafted.token_ids) == 3 and drafted.probs.shape == (3, proposer.model.vocab_size)
+    torch.testing.assert_close(drafted.probs.sum(-1), torch.ones(3))
+
+
+def test_greedy_chains_refuse_blocks_too_few_for_the_chain(tiny_llama):
+    model = LlamaModel.from_hf(tiny_llama)
+    layers = fused_layers.build(model)
+    kv = model.new_kv_cache(4, 16)
+    with pytest.raises(RuntimeError, match="blocks hold fewer than its cached"):
+        layers.greedy_chains([[3, 4]], [14], [2], [[0]], kv)  # positions 14..16: the third needs a second block
+
+
 def test_models_it_cannot_run_stay_eager(tiny_llama):
     model = LlamaModel.from_hf(tiny_llama, dtype="bfloat16")
     assert "float32" in fused_layers.eligible(model)

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.reference import fused_layers
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 from pipeline.reference.metrics import SpecStats, aggregate
@@ -240,7 +239,6 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         hf_draft = (weak_draft(pair.draft, dtype) if pair.weak
                     else AutoModelForCausalLM.from_pretrained(pair.draft, dtype=TORCH_DTYPES[dtype]).eval())
         draft = LlamaModel(config_from_hf(json.loads((pair.draft / "config.json").read_text()), dtype), hf_draft.state_dict())
-        draft.fused_layers = fused_layers.build(draft)  # as DraftModelProposer runs it, already for the costs below
     batch8 = [pair.prompts[i % len(pair.prompts)] for i in range(BATCH)]
     run_ours(target, [pair.prompts[0][:16]])  # warm-up (allocations, kernels)
 
@@ -255,7 +253,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
     trained = pair.draft is not None and pair.name.startswith("trained")
     # break-even acceptance per K: ((1, at batch 1), (BATCH, with BATCH in flight))
-    costs = {k: tuple((b, draft_token_cost(target, draft, k, batch=b)) for b in (1, BATCH)) for k in ks} if trained else {}
+    costs = ({k: tuple((b, draft_token_cost(target, DraftModelProposer(draft, max_batch_size=b, max_seq_len=300), k,
+                                            batch=b)) for b in (1, BATCH)) for k in ks} if trained else {})
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))

@@ -2,7 +2,10 @@
 
 Each propose call runs the draft model over all requests that want a draft, batched: one forward
 brings every request up to date (the committed tokens its cache lacks, at least the last one) and
-yields its first draft token; each further forward adds one draft token per request still short.
+yields its first draft token; each further forward adds one draft token per request still short. On fused
+layers (a dense float32 draft) the greedy requests' forwards run in one C++ call (`FusedDenseLayers.greedy_chains`:
+the same layers, output layer and argmax), as a forward's plan and calls from Python cost about as much as a
+small draft's arithmetic; a prompt-long feed runs its forward first on the prefill path.
 The draft cache never needs an explicit rollback: it remembers which tokens its KV holds, and the
 next call keeps only the prefix that agrees with the committed tokens (rejected drafts fall away).
 Greedy requests get argmax drafts; sampled ones (temperature > 0) get tokens sampled from the
@@ -19,7 +22,7 @@ import torch
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import fused_layers
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
-from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
 from pipeline.reference.sampling import SamplingParams, probabilities
 from pipeline.sequences import common_prefix_len
@@ -56,6 +59,8 @@ class DraftModelProposer:
         self.kv = model.new_kv_cache(num_blocks, tokens_per_block)
         if model.fused_layers is None:
             model.fused_layers = fused_layers.build(model)  # its steps as one C++ call each (None: eager)
+        fused = model.fused_layers
+        self.greedy_chains = isinstance(fused, fused_layers.FusedDenseLayers) and fused.lm_head is not None
         self.block_manager = BlockManager(num_blocks, tokens_per_block)
         self.sequences: dict[str, _DraftSequence] = {}
 
@@ -73,14 +78,11 @@ class DraftModelProposer:
         """A chain of num_tokens draft tokens per request (empty when num_tokens is 0)."""
         jobs = {inp.request_id: self._start(inp) for inp in inputs if inp.num_tokens > 0}
         active = list(jobs.values())
+        if self.greedy_chains:  # greedy requests draft in one C++ call; sampled ones forward by forward below
+            self._greedy_chains([j for j in active if j.inp.temperature <= 0])
+            active = [j for j in active if j.inp.temperature > 0]
         while active:
-            seqs = [SequenceInput(j.feed, len(j.state.cached), j.state.blocks.blocks) for j in active]
-            logits = self.model(seqs, self.kv).logits  # [len(active), vocab]: after each request's last fed token
-            for job, row in zip(active, logits):
-                job.state.cached += job.feed
-                self._pick(job, row)
-                job.feed = job.tokens[-1:]
-            active = [j for j in active if len(j.tokens) < j.inp.num_tokens]
+            active = self._forward(active)
         drafts = []
         for inp in inputs:
             job = jobs.get(inp.request_id)
@@ -97,6 +99,33 @@ class DraftModelProposer:
         del state.cached[keep:]
         self.block_manager.ensure_capacity(state.blocks, len(inp.token_ids) + inp.num_tokens)
         return _Job(inp=inp, state=state, feed=inp.token_ids[keep:])
+
+    def _forward(self, active: list[_Job]) -> list[_Job]:
+        """One draft forward of every active job's feed and a draft token each; returns the jobs still short."""
+        seqs = [SequenceInput(j.feed, len(j.state.cached), j.state.blocks.blocks) for j in active]
+        logits = self.model(seqs, self.kv).logits  # [len(active), vocab]: after each request's last fed token
+        for job, row in zip(active, logits):
+            job.state.cached += job.feed
+            self._pick(job, row)
+            job.feed = job.tokens[-1:]
+        return [j for j in active if len(j.tokens) < j.inp.num_tokens]
+
+    def _greedy_chains(self, jobs: list[_Job]) -> None:
+        """Every greedy job's argmax chain in one call of the fused layers' `greedy_chains` (the same layers, output
+        layer and argmax as `_forward`). A feed longer than DECODE_ROWS (a prompt) runs its forward first on the
+        model's prefill path, as `_forward` would."""
+        long_feeds = [j for j in jobs if len(j.feed) > DECODE_ROWS]
+        if long_feeds:
+            self._forward(long_feeds)
+        jobs = [j for j in jobs if len(j.tokens) < j.inp.num_tokens]
+        if not jobs:
+            return
+        counts = [j.inp.num_tokens - len(j.tokens) for j in jobs]
+        chains = self.model.fused_layers.greedy_chains([j.feed for j in jobs], [len(j.state.cached) for j in jobs],
+                                                       counts, [j.state.blocks.blocks for j in jobs], self.kv)
+        for job, tokens in zip(jobs, chains):
+            job.state.cached += job.feed + tokens[:-1]  # the last draft token is never fed
+            job.tokens += tokens
 
     def _pick(self, job: _Job, logits: torch.Tensor) -> None:
         """Append the next draft token from the draft logits [vocab]: argmax, or a sample of q with its q row."""

@@ -8,7 +8,9 @@ kernel (decode steps and short chains; a prefill keeps the eager or compiled pat
   F.linear, the attention on the row attention kernel, the rest plain loops. Its results are close to the eager
   layers', not bit-equal (its RMSNorm sums in row order), so it is for drafts, whose tokens are proposals the target
   verifies: `DraftModelProposer` switches it on. Dense targets keep their eager layers, whose bits the exactness
-  tests and the transformers comparisons pin.
+  tests and the transformers comparisons pin. `greedy_chains` runs a whole greedy draft chain (every forward, the
+  output layer and the argmax) in one op call: the trained pair's draft proposed 4 tokens in 1.0-1.3 ms forward by
+  forward and 0.45-0.65 ms in one call (docs/benchmarks.md).
 - int8_sq models (targets, as served): between its four int8 GEMMs a layer ran five inductor-compiled regions and
   five Python calls of custom ops (compiled.py), 4-17 us each: about 2 ms of a SmolLM2 decode step's 8-11.
   `FusedInt8Layers` runs the same layers in one op, the GEMMs on the project's int8 kernel (int8_grid_gemm.py). The
@@ -28,7 +30,7 @@ import logging
 import torch
 
 from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
-from pipeline.reference.linear import DenseLinear, Int8PerToken
+from pipeline.reference.linear import DenseLinear, Int8PerToken, intra_op_threads
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
 BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
@@ -66,6 +68,10 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
+        head = model.lm_head_linear
+        # greedy_chains' output layer: the eager path's one-row F.linear on the same weight (a biased or other output
+        # layer keeps the proposer's forward-by-forward loop)
+        self.lm_head = head.weight if isinstance(head, DenseLinear) and head.bias is None else None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
         """x [T, hidden] (embeddings) through every layer and the final norm -> [T, hidden]; plan: a row attention
@@ -74,6 +80,23 @@ class FusedDenseLayers:
         return torch.ops.specdeploy.dense_layers(x, cos, sin, self.weights, kv.k, kv.v, plan.slots, *plan.row_keys,
                                                  m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
                                                  self.attention)
+
+    def greedy_chains(self, feeds: list[list[int]], cached: list[int], counts: list[int],
+                      block_tables: list[list[int]], kv) -> list[list[int]]:
+        """counts[b] greedy (argmax) draft tokens for every request b, all forwards in one op call: request b's
+        feed (the tokens its cache lacks, from position cached[b]) first, then each draft token in turn, their KV
+        written to its blocks (block_tables[b], enough for cached + feed + counts - 1 tokens). Needs `self.lm_head`."""
+        m = self.model
+        widest = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.long)
+        with intra_op_threads(m.decode_threads):
+            drafts = torch.ops.specdeploy.dense_greedy_chains(
+                torch.tensor([t for feed in feeds for t in feed], dtype=torch.long),
+                torch.tensor([len(feed) for feed in feeds], dtype=torch.long), torch.tensor(cached, dtype=torch.long),
+                torch.tensor(counts, dtype=torch.long), tables, kv.block_size, m.embed, self.lm_head, m.rope_cos,
+                m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
+                self.attention)  # [B, max(counts)]
+        return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 
 
 class FusedInt8Layers:

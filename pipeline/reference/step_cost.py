@@ -17,9 +17,12 @@ import hashlib
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 from pipeline.limits import TOKENS_PER_BLOCK
+from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.proposers import ProposalInput
 
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
@@ -36,42 +39,62 @@ def engine_code_digest(root: Path = Path(__file__).parent) -> str:
     return digest.hexdigest()[:12]
 
 
-def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch: int = 1, context: int = 256,
-                     repeats: int = 20) -> float:
-    """Cost of one draft token as a fraction of a plain step: (verify(K + 1 rows) + K draft steps - step) / (K * step).
+def draft_token_cost(target: LlamaModel, draft: LlamaModel | DraftModelProposer | None, k: int, batch: int = 1,
+                     context: int = 256, repeats: int = 20) -> float:
+    """Cost of one draft token as a fraction of a plain step: (verify(K + 1 rows) + drafting - step) / (K * step).
 
     Measured with `batch` sequences of `context` cached tokens each (every forward runs all of them:
-    one row each for a plain step and a draft step, K + 1 rows each for the verify), the three forwards
-    interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in wall time (what
-    serving pays). A round's forwards run back to back, so a change in the machine's load between rounds cancels
-    out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not meet:
+    one row each for a plain step and a draft step, K + 1 rows each for the verify), the plain step, the verify
+    and the drafting interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in
+    wall time (what serving pays). A round's forwards run back to back, so a change in the machine's load between
+    rounds cancels out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not meet:
     docs/benchmarks.md has the spread of each).
-    draft None: prompt lookup (no draft forwards). Clipped at 0 (noise can time K + 1 rows below one).
+    draft: the draft as it runs, for the drafting time: a LlamaModel runs K one-row forwards (a served draft engine
+    decodes step by step), a DraftModelProposer (used for this timing alone: its requests stay) one `propose` of
+    K tokens per sequence (in the engine a greedy chain is one C++ call); None: prompt lookup (no draft forwards).
+    Clipped at 0 (noise can time K + 1 rows below one).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1 (got {k}): the cost is per draft token")
     if batch < 1:
         raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
-    runs = [(target, 1), (target, k + 1)] + ([(draft, 1)] if draft is not None else [])
-    caches = []
-    per_sequence = -(-(context + k + 1) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
-    for model, _ in runs:
-        kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
-        tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
-        model([SequenceInput([1] * context, 0, table) for table in tables], kv)  # the cached contexts (and a warm-up)
-        caches.append((kv, tables))
+    calls = [_forward_call(target, 1, batch, context), _forward_call(target, k + 1, batch, context)]
+    if draft is not None:
+        calls.append(_drafting_call(draft, k, batch, context))
     costs = []
     for _ in range(repeats):
-        seconds = []  # this round's plain step, verify and draft step
-        for (model, rows), (kv, tables) in zip(runs, caches):
-            seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
-            start = time.perf_counter()
-            model(seqs, kv)
-            seconds.append(time.perf_counter() - start)
-        step, verify = seconds[0], seconds[1]
-        drafting = k * seconds[2] if draft is not None else 0.0
-        costs.append((verify + drafting - step) / (k * step))
+        step, verify, *drafting = (_seconds(call) for call in calls)  # this round's, back to back
+        costs.append((verify + sum(drafting) - step) / (k * step))
     return max(statistics.median(costs), 0.0)
+
+
+def _forward_call(model: LlamaModel, rows: int, batch: int, context: int) -> Callable[[], object]:
+    """A call of one forward of `rows` new tokens (all with logits) on each of `batch` sequences of `context` cached
+    tokens (prefilled now, which also warms the model up)."""
+    per_sequence = -(-(context + rows) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
+    kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
+    tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
+    model([SequenceInput([1] * context, 0, table) for table in tables], kv)
+    seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
+    return lambda: model(seqs, kv)
+
+
+def _drafting_call(draft: LlamaModel | DraftModelProposer, k: int, batch: int, context: int) -> Callable[[], object]:
+    """A call drafting K tokens for each of `batch` sequences of `context` committed tokens, as the draft runs (see
+    draft_token_cost); the proposer's first propose (the contexts' prefill) runs now."""
+    if isinstance(draft, DraftModelProposer):
+        inputs = [ProposalInput(f"cost{i}", [1] * context, k) for i in range(batch)]  # then one token to feed a call
+        draft.propose(inputs)
+        return lambda: draft.propose(inputs)
+    step = _forward_call(draft, 1, batch, context)
+    return lambda: [step() for _ in range(k)]
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    """Wall seconds of one call."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, k: int,
