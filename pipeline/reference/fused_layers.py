@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
-from pipeline.reference.linear import DenseLinear, Int8PerToken, intra_op_threads
+from pipeline.reference.linear import ONEDNN_ROWS, DenseLinear, Int8PerToken, intra_op_threads
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
 BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
@@ -68,10 +68,10 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
+        # greedy_chains' output layer: the model's DenseLinear, run as it runs (a biased or other output layer keeps
+        # the proposer's forward-by-forward loop)
         head = model.lm_head_linear
-        # greedy_chains' output layer: the eager path's one-row F.linear on the same weight (a biased or other output
-        # layer keeps the proposer's forward-by-forward loop)
-        self.lm_head = head.weight if isinstance(head, DenseLinear) and head.bias is None else None
+        self.lm_head = head if isinstance(head, DenseLinear) and head.bias is None else None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
         """x [T, hidden] (embeddings) through every layer and the final norm -> [T, hidden]; plan: a row attention
@@ -93,7 +93,9 @@ class FusedDenseLayers:
             drafts = torch.ops.specdeploy.dense_greedy_chains(
                 torch.tensor([t for feed in feeds for t in feed], dtype=torch.long),
                 torch.tensor([len(feed) for feed in feeds], dtype=torch.long), torch.tensor(cached, dtype=torch.long),
-                torch.tensor(counts, dtype=torch.long), tables, kv.block_size, m.embed, self.lm_head, m.rope_cos,
+                torch.tensor(counts, dtype=torch.long), tables, kv.block_size, m.embed, self.lm_head.weight,
+                torch.empty(0) if self.lm_head.packed is None else self.lm_head.packed, ONEDNN_ROWS.start,
+                ONEDNN_ROWS.stop - 1, m.rope_cos,
                 m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
                 self.attention)  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
