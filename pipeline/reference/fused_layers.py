@@ -9,8 +9,8 @@ kernel (decode steps and short chains; a prefill keeps the eager or compiled pat
   layers', not bit-equal (its RMSNorm sums in row order), so it is for drafts, whose tokens are proposals the target
   verifies: `DraftModelProposer` switches it on. Dense targets keep their eager layers, whose bits the exactness
   tests and the transformers comparisons pin. `greedy_chains` runs a whole greedy draft chain (every forward, the
-  output layer and the argmax) in one op call: the trained pair's draft proposed 4 tokens in 1.0-1.3 ms forward by
-  forward and 0.45-0.65 ms in one call (docs/benchmarks.md).
+  output layer and the argmax) in one op call: the trained pair's draft proposed 4 tokens in 1.1-1.3 ms forward by
+  forward and 0.51-0.65 ms in one call (docs/benchmarks.md).
 - int8_sq models (targets, as served): between its four int8 GEMMs a layer ran five inductor-compiled regions and
   five Python calls of custom ops (compiled.py), 4-17 us each: about 2 ms of a SmolLM2 decode step's 8-11.
   `FusedInt8Layers` runs the same layers in one op, the GEMMs on the project's int8 kernel (int8_grid_gemm.py). The
@@ -86,18 +86,18 @@ class FusedDenseLayers:
         """counts[b] greedy (argmax) draft tokens for every request b, all forwards in one op call: request b's
         feed (the tokens its cache lacks, from position cached[b]) first, then each draft token in turn, their KV
         written to its blocks (block_tables[b], enough for cached + feed + counts - 1 tokens). Needs `self.lm_head`."""
-        m = self.model
+        m, head = self.model, self.lm_head
         widest = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.long)
+        flat_feeds = torch.tensor([t for feed in feeds for t in feed], dtype=torch.long)
+        feed_counts = torch.tensor([len(feed) for feed in feeds], dtype=torch.long)
+        packed = torch.empty(0) if head.packed is None else head.packed  # DenseLinear's oneDNN weight for 2-16 rows
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
-                torch.tensor([t for feed in feeds for t in feed], dtype=torch.long),
-                torch.tensor([len(feed) for feed in feeds], dtype=torch.long), torch.tensor(cached, dtype=torch.long),
-                torch.tensor(counts, dtype=torch.long), tables, kv.block_size, m.embed, self.lm_head.weight,
-                torch.empty(0) if self.lm_head.packed is None else self.lm_head.packed, ONEDNN_ROWS.start,
-                ONEDNN_ROWS.stop - 1, m.rope_cos,
-                m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
-                self.attention)  # [B, max(counts)]
+                flat_feeds, feed_counts, torch.tensor(cached, dtype=torch.long), torch.tensor(counts, dtype=torch.long),
+                tables, kv.block_size, m.embed, head.weight, packed, ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
+                m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
+                m.eps, m.scale, self.attention)  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 
 

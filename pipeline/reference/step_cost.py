@@ -47,8 +47,8 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | DraftModelProposer 
     one row each for a plain step and a draft step, K + 1 rows each for the verify), the plain step, the verify
     and the drafting interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in
     wall time (what serving pays). A round's forwards run back to back, so a change in the machine's load between
-    rounds cancels out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not meet:
-    docs/benchmarks.md has the spread of each).
+    rounds cancels out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not
+    meet: docs/benchmarks.md has the spread of each).
     draft: the draft as it runs, for the drafting time: a LlamaModel runs K one-row forwards (a served draft engine
     decodes step by step), a DraftModelProposer (used for this timing alone: its requests stay) one `propose` of
     K tokens per sequence (in the engine a greedy chain is one C++ call); None: prompt lookup (no draft forwards).
