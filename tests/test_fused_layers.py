@@ -102,9 +102,11 @@ def test_greedy_chains_draft_what_forward_by_forward_drafting_drafts(tiny_llama)
     loop_tokens, loop_cached, looped = run(False)
     assert chain_tokens == loop_tokens and [len(t) for t in chain_tokens] == [6, 3, 1, 6, 3, 1]
     assert chain_cached == loop_cached
+    size = chained.kv.block_size
     for request_id, cached in chain_cached.items():
-        slots = [b * 16 + o for b in chained.sequences[request_id].blocks.blocks for o in range(16)][:len(cached)]
-        assert chained.sequences[request_id].blocks.blocks == looped.sequences[request_id].blocks.blocks
+        blocks = chained.sequences[request_id].blocks.blocks
+        assert blocks == looped.sequences[request_id].blocks.blocks
+        slots = [b * size + o for b in blocks for o in range(size)][:len(cached)]  # the cached tokens' KV
         torch.testing.assert_close(chained.kv.k[:, slots], looped.kv.k[:, slots], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(chained.kv.v[:, slots], looped.kv.v[:, slots], rtol=1e-5, atol=1e-5)
 
