@@ -4,7 +4,7 @@ On the shared development machines the speed moves 1.5x within minutes; a ratio 
 pair a quiet minute with a loaded one.
 """
 
-from pipeline.apps.bench_engine import goals, paired_speedup, speedups
+from pipeline.apps.bench_engine import goals, paired_speedup, run_rounds, speedups
 
 
 def test_a_run_as_fast_as_its_rounds_plain_run_is_1x_whatever_the_machine_did():
@@ -46,3 +46,37 @@ def test_the_roofline_goal_pairs_each_plain_run_with_the_bandwidth_read_before_i
     speedups(rows)
     [(_, text, met)] = [g for g in goals(rows) if "of the roofline" in g[0]]
     assert met and text.startswith("0.75, rounds 0.25-0.75")
+
+
+def scheduled_rounds(plain_before_each: bool):
+    """run_rounds over plain and speculative jobs at two batch sizes, each run returning its own call number as its
+    tok/s (so every run is told apart) -> (Rounds, the calls in order as (batch, speculative))."""
+    calls = []
+
+    def run(batch, prompts, proposer):
+        calls.append((batch, proposer() is not None))
+        return float(len(calls)), float(len(calls)) + 0.5, {"run": len(calls)}
+
+    spec = lambda: object()  # noqa: E731 - a stand-in proposer factory
+    jobs = [("plain", 1, 0, [], lambda: None), ("draft", 1, 2, [], spec), ("draft", 1, 4, [], spec),
+            ("plain", 8, 0, [], lambda: None), ("draft", 8, 2, [], spec)]
+    return run_rounds(jobs, 2, run, plain_before_each, read_bandwidth=lambda: 1.0), calls
+
+
+def test_each_speculative_run_pairs_with_the_plain_run_right_before_it_where_asked():
+    rounds, calls = scheduled_rounds(plain_before_each=True)
+    assert len(calls) == 2 * (2 + 2 * 3)  # per round: 2 plain jobs, 3 speculative ones with a plain run each
+    for i in (1, 2, 4):
+        for r in range(2):
+            run = int(rounds.tps[i][r])
+            assert calls[run - 1][1] and calls[run - 2] == (calls[run - 1][0], False)  # a plain run of its batch first
+            assert rounds.baseline_tps[i][r] == run - 1 and rounds.baseline_cpu[i][r] == run - 0.5
+    assert rounds.baseline_tps[0] == rounds.tps[0] and rounds.bandwidths == [1.0, 1.0]
+    assert rounds.summaries[4] == {"run": int(rounds.tps[4][1])}  # the last round's
+
+
+def test_otherwise_a_speculative_run_pairs_with_its_rounds_plain_run_of_its_batch():
+    rounds, calls = scheduled_rounds(plain_before_each=False)
+    assert len(calls) == 2 * 5
+    assert rounds.baseline_tps[1] == rounds.baseline_tps[2] == rounds.tps[0]  # batch 1: the round's first run
+    assert rounds.baseline_tps[4] == rounds.tps[3] and rounds.baseline_cpu[4] == rounds.cpu[3]  # batch 8's plain run

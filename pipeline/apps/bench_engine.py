@@ -225,7 +225,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
     """Every measurement of one pair: rows of the results table.
 
     repeats: rounds over all of our runs, interleaved; each row keeps its best round (tok/s), and its speedup over
-    our plain decoding is the median over the rounds of its run against the same round's plain run (`paired_speedup`).
+    our plain decoding is the median over the rounds of its run against the same round's plain run (`paired_speedup`),
+    for the trained pairs against a plain run made right before it.
 
     target_engine: an engine folder to run as our target (its qformat and kernels) instead of the
     pair's HF checkpoint in `dtype`; transformers always runs the checkpoint.
@@ -266,24 +267,15 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
             if trained and batch > 1:
                 # the "shared draft step" question: the same drafts, one draft forward per request instead of per batch
                 jobs.append(("draft-unshared", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft, shared=False)))
-    runs_tps, runs_cpu, summaries = [[] for _ in jobs], [[] for _ in jobs], [None] * len(jobs)
-    bandwidths = []  # read right before each round's plain batch-1 run: its roofline share pairs the two in time
-    for _ in range(repeats):  # rounds over all jobs: each batch's plain run first, its speculative runs right after
-        for i, (label, batch, _, prompts, proposer) in enumerate(jobs):
-            if label == "plain" and batch == 1:
-                bandwidths.append(read_bandwidth_gbs())
-            tps, cpu_tps, summaries[i] = ours(batch, prompts, proposer)
-            runs_tps[i].append(tps)
-            runs_cpu[i].append(cpu_tps)
-            progress.update()
-    plain_of = {batch: i for i, (label, batch, *_rest) in enumerate(jobs) if label == "plain"}
-    for i, ((label, batch, k, _, _), spec) in enumerate(zip(jobs, summaries)):
-        plain = plain_of[batch]
-        speedup, low, high = paired_speedup(runs_tps[i], runs_tps[plain])
+    measured = run_rounds(jobs, repeats, ours, plain_before_each=trained, progress=progress)
+    for i, ((label, batch, k, _, _), spec) in enumerate(zip(jobs, measured.summaries)):
+        runs_tps, runs_cpu = measured.tps[i], measured.cpu[i]
+        plain_tps, plain_cpu = measured.baseline_tps[i], measured.baseline_cpu[i]
+        speedup, low, high = paired_speedup(runs_tps, plain_tps)
         rows.append({"pair": pair.name, "engine": "ours", "method": label, "batch": batch, "k": k,
-                     "tok_s": round(max(runs_tps[i]), 2), "cpu_tok_s": round(max(runs_cpu[i]), 2),
+                     "tok_s": round(max(runs_tps), 2), "cpu_tok_s": round(max(runs_cpu), 2),
                      "speedup_vs_our_plain": round(speedup, 3), "speedup_range": [round(low, 3), round(high, 3)],
-                     "cpu_speedup_vs_our_plain": round(paired_speedup(runs_cpu[i], runs_cpu[plain])[0], 3),
+                     "cpu_speedup_vs_our_plain": round(paired_speedup(runs_cpu, plain_cpu)[0], 3),
                      **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward",
                                                    "acceptance_by_position")},
                      **({"draft_token_cost": round(dict(costs[k])[batch], 3)} if k in costs else {})})
@@ -297,8 +289,9 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         tps = run_hf(hf_target, pair.prompts, assistant=hf_draft, k=k, lookup=pair.draft is None)
         rows.append({"pair": pair.name, "engine": "transformers", "method": method, "batch": 1, "k": k, "tok_s": round(tps, 2)})
         progress.update()
+    bandwidths = measured.bandwidths
     rooflines = [bandwidth * 1e9 / target.weight_bytes for bandwidth in bandwidths]  # tok/s, one per round
-    share, low, high = paired_speedup(runs_tps[plain_of[1]], rooflines)
+    share, low, high = paired_speedup(measured.tps[0], rooflines)  # jobs[0]: plain at batch 1
     rows.append({"pair": pair.name, "engine": "roofline", "method": "weights/bandwidth", "batch": 1, "k": 0,
                  "tok_s": round(statistics.median(rooflines), 2), "weight_mb": round(target.weight_bytes / 1e6, 1),
                  "bandwidth_gbs": round(statistics.median(bandwidths), 2),
@@ -308,6 +301,52 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
 
 # ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class Rounds:
+    """What `run_rounds` measured, per job (in the jobs' order) and round: tok/s and CPU-time tok/s, and the
+    plain run each is paired with (`baseline_*`; a plain job's own runs); the last run's speculation summary; the
+    bandwidth read before each round's plain batch-1 run."""
+
+    tps: list[list[float]]
+    cpu: list[list[float]]
+    baseline_tps: list[list[float]]
+    baseline_cpu: list[list[float]]
+    summaries: list[dict | None]
+    bandwidths: list[float]
+
+
+def run_rounds(jobs: list[tuple], repeats: int, run, plain_before_each: bool, read_bandwidth=read_bandwidth_gbs,
+               progress: tqdm | None = None) -> Rounds:
+    """Every job (method, batch, K, prompts, proposer factory) `repeats` times, in rounds over all of them in order
+    (each batch's plain job first, its speculative jobs after it); run(batch, prompts, proposer factory) -> (tok/s,
+    CPU tok/s, summary) makes one run. A speculative run's baseline is its round's plain run of its batch, or, with
+    plain_before_each, a plain run of its batch made right before it: the trained pairs' runs last a fraction of a
+    second, within which this machine's speed moves (15 rounds of K=2: quartiles 0.73-0.88 against 0.66-0.92 paired
+    with the round's first plain run, docs/benchmarks.md); the SmolLM2 pairs' runs take seconds each."""
+    n = len(jobs)
+    got = Rounds([[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [None] * n, [])
+    plain_of = {batch: i for i, (label, batch, *_rest) in enumerate(jobs) if label == "plain"}
+    for _ in range(repeats):
+        for i, (label, batch, _, prompts, proposer) in enumerate(jobs):
+            if label == "plain" and batch == 1:
+                got.bandwidths.append(read_bandwidth())
+            if plain_before_each and label != "plain":
+                plain_tps, plain_cpu, _ = run(batch, prompts, lambda: None)
+                got.baseline_tps[i].append(plain_tps)
+                got.baseline_cpu[i].append(plain_cpu)
+                if progress is not None:
+                    progress.update()
+            tps, cpu_tps, got.summaries[i] = run(batch, prompts, proposer)
+            got.tps[i].append(tps)
+            got.cpu[i].append(cpu_tps)
+            if not plain_before_each or label == "plain":  # the round's plain run of this batch (a plain job: itself)
+                got.baseline_tps[i].append(got.tps[plain_of[batch]][-1])
+                got.baseline_cpu[i].append(got.cpu[plain_of[batch]][-1])
+            if progress is not None:
+                progress.update()
+    return got
 
 
 def paired_speedup(runs: list[float], plain_runs: list[float]) -> tuple[float, float, float]:
@@ -472,7 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     pair_ks = {p.name: smollm2_ks if p.name.startswith("smollm2") else ks for p in pairs}
     repeats = {p.name: args.trained_repeats if p.name.startswith("trained") else args.repeats for p in pairs}
-    total = sum(repeats[name] * (2 * (1 + len(k)) + (3 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
+    # per round: a plain and K draft (n-gram) runs per batch size; the trained pairs add cost-aware runs (both batch
+    # sizes) and unshared drafts (8 in flight), and a plain run before each of their speculative runs
+    total = sum(repeats[name] * (2 * (1 + len(k)) + (8 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
                 for name, k in pair_ks.items())
     with tqdm(total=total, desc="bench-engine", unit="run") as progress:
         for pair in pairs:
