@@ -20,7 +20,7 @@ from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.fixtures.models import make_random_eagle3
 from pipeline.fixtures.toymodels import make_derived_pair
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
-from pipeline.reference.step_cost import draft_token_cost
+from pipeline.reference.step_cost import WARMUP_STEPS, draft_token_cost, in_engine_draft_token_cost
 from pipeline.apps.bench_engine import UnsharedDrafts
 
 MAX_NEW = 12
@@ -232,12 +232,28 @@ def test_drafts_made_one_request_at_a_time_equal_the_shared_draft_step(derived_p
 def test_draft_token_cost_is_measured_per_draft_token(derived_pair):
     target_dir, draft_dir = derived_pair
     target, draft = LlamaModel.from_hf(target_dir), LlamaModel.from_hf(draft_dir)
-    proposer = DraftModelProposer(LlamaModel.from_hf(draft_dir), max_batch_size=2, max_seq_len=80)
-    for cost in (draft_token_cost(target, draft, 2, context=64, repeats=2), draft_token_cost(target, None, 2, context=64, repeats=2),
-                 draft_token_cost(target, proposer, 2, batch=2, context=64, repeats=2)):
+    for cost in (draft_token_cost(target, draft, 2, context=64, repeats=2), draft_token_cost(target, None, 2, context=64, repeats=2)):
         assert 0.0 <= cost < float("inf")
     with pytest.raises(ValueError, match="k must be >= 1"):
         draft_token_cost(target, draft, 0)
+
+
+def test_in_engine_draft_token_cost_times_speculative_steps_of_every_request(derived_pair):
+    """The proposer drafts K tokens for each of the batch's requests on every timed step; nobody finishes early."""
+    target_dir, draft_dir = derived_pair
+    target = LlamaModel.from_hf(target_dir)
+    k, batch, context, repeats = 3, 2, 40, 4
+    proposer = DraftModelProposer(LlamaModel.from_hf(draft_dir), max_batch_size=batch,
+                                  max_seq_len=context + (repeats + WARMUP_STEPS) * (k + 1) + k + 1)
+    asked = []
+    propose = proposer.propose
+    proposer.propose = lambda inputs: asked.append([i.num_tokens for i in inputs]) or propose(inputs)
+    cost = in_engine_draft_token_cost(target, proposer, k, batch=batch, context=context, repeats=repeats)
+    assert 0.0 <= cost < float("inf")
+    assert asked[-repeats:] == [[k] * batch] * repeats
+    assert all(len(seq.cached) >= context for seq in proposer.sequences.values()) and len(proposer.sequences) == batch
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        in_engine_draft_token_cost(target, proposer, k, batch=0)
 
 
 def next_token_law(model: LlamaModel, context: list[int], temperature: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ One run measures, for every pair, at batch 1 and with 8 concurrent requests, 128
 our plain decoding, our speculative decoding per K (policy wrapper on: switch-off below
 min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
 cost-aware switch-off (PolicyConfig.draft_token_costs, measured per K at batch 1 and with 8 in
-flight by pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
+flight through engine steps by pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
 request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
 assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth, read right
@@ -42,7 +42,7 @@ from pipeline.reference.metrics import SpecStats, aggregate
 from pipeline.reference.model import LlamaModel, config_from_hf
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
-from pipeline.reference.step_cost import draft_token_cost
+from pipeline.reference.step_cost import in_engine_draft_token_cost
 from pipeline.corpus import local_text
 
 NEW_TOKENS = 128
@@ -254,8 +254,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
     trained = pair.draft is not None and pair.name.startswith("trained")
     # break-even acceptance per K: ((1, at batch 1), (BATCH, with BATCH in flight))
-    costs = ({k: tuple((b, draft_token_cost(target, DraftModelProposer(draft, max_batch_size=b, max_seq_len=300), k,
-                                            batch=b)) for b in (1, BATCH)) for k in ks} if trained else {})
+    costs = ({k: tuple((b, in_engine_draft_token_cost(target, DraftModelProposer(draft, max_batch_size=b, max_seq_len=512),
+                                                    k, batch=b)) for b in (1, BATCH)) for k in ks} if trained else {})
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))

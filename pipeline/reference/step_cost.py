@@ -9,6 +9,10 @@ row costs a large fraction of a step (docs/benchmarks.md), so a fixed 10 % thres
 that lose. c depends on the running batch: with 8 requests a plain step already has 8 rows, and
 the 8 K verify rows and the batched draft forwards cost relatively more (or less) than at batch 1,
 so it is measured per batch size.
+Two timings, by where the drafting runs: engines served apart (a draft engine, prompt lookup in the BLS) by their
+forwards (`draft_token_cost`, what `pipeline repo` writes), a proposer inside the reference engine (make
+bench-engine's drafts) by engine steps (`in_engine_draft_token_cost`): forwards timed back to back left out a third
+to a half of what such a draft token costs in the engine, and the switch-off probed a useless draft too long.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.limits import TOKENS_PER_BLOCK
-from pipeline.reference.draft_model import DraftModelProposer
-from pipeline.reference.model import LlamaModel, SequenceInput
-from pipeline.reference.proposers import ProposalInput
+import torch
 
+from pipeline.limits import TOKENS_PER_BLOCK
+from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.proposers import Proposer
+
+# Engine steps before in_engine_draft_token_cost times any (the prompts' prefill, then warm-up)
+WARMUP_STEPS = 3
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
 
@@ -39,9 +46,10 @@ def engine_code_digest(root: Path = Path(__file__).parent) -> str:
     return digest.hexdigest()[:12]
 
 
-def draft_token_cost(target: LlamaModel, draft: LlamaModel | DraftModelProposer | None, k: int, batch: int = 1,
-                     context: int = 256, repeats: int = 20) -> float:
-    """Cost of one draft token as a fraction of a plain step: (verify(K + 1 rows) + drafting - step) / (K * step).
+def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch: int = 1, context: int = 256,
+                     repeats: int = 20) -> float:
+    """Cost of one draft token as a fraction of a plain step, for engines served apart (a draft engine's forwards,
+    prompt lookup's verify rows): (verify(K + 1 rows) + K draft forwards - step) / (K * step).
 
     Measured with `batch` sequences of `context` cached tokens each (every forward runs all of them:
     one row each for a plain step and a draft step, K + 1 rows each for the verify), the plain step, the verify
@@ -49,23 +57,62 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | DraftModelProposer 
     wall time (what serving pays). A round's forwards run back to back, so a change in the machine's load between
     rounds cancels out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not
     meet: docs/benchmarks.md has the spread of each).
-    draft: the draft as it runs, for the drafting time: a LlamaModel runs K one-row forwards (a served draft engine
-    decodes step by step), a DraftModelProposer (used for this timing alone: its requests stay) one `propose` of
-    K tokens per sequence (in the engine a greedy chain is one C++ call); None: prompt lookup (no draft forwards).
-    Clipped at 0 (noise can time K + 1 rows below one).
+    draft: the draft engine's model (it decodes step by step: K one-row forwards); None: prompt lookup (no draft
+    forwards). A proposer inside the engine is timed by `in_engine_draft_token_cost`. Clipped at 0 (noise can time
+    K + 1 rows below one).
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1 (got {k}): the cost is per draft token")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
+    _check(k, batch)
     calls = [_forward_call(target, 1, batch, context), _forward_call(target, k + 1, batch, context)]
     if draft is not None:
-        calls.append(_drafting_call(draft, k, batch, context))
+        draft_step = _forward_call(draft, 1, batch, context)
+        calls.append(lambda: [draft_step() for _ in range(k)])
     costs = []
     for _ in range(repeats):
         step, verify, *drafting = (_seconds(call) for call in calls)  # this round's, back to back
         costs.append((verify + sum(drafting) - step) / (k * step))
     return max(statistics.median(costs), 0.0)
+
+
+def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, batch: int = 1, context: int = 256,
+                               repeats: int = 20) -> float:
+    """Cost of one draft token of a proposer that runs inside the engine (a draft model, EAGLE, Medusa), as a fraction
+    of a plain step, timed through engine steps: (speculative step - plain step) / (K * plain step).
+
+    Two LLMEngines over `target` each run `batch` requests of `context` prompt tokens (seeded random ids), one
+    plainly and one with `proposer` drafting K tokens every step; once every prompt is in and both have warmed up, each
+    of `repeats` rounds times one plain step, then one speculative step: the median of the rounds' costs, in wall
+    time. What forwards timed back to back leave out is in: the engine's own work on a speculative step (verify
+    plan, acceptance, KV bookkeeping) and the target and draft evicting each other's weights from the caches (a
+    trained pair's 1-layer draft token cost 0.43-0.58 of a step in the engine where its forwards alone timed
+    0.24-0.46: docs/benchmarks.md). proposer: fresh, and sized for `batch` requests of `context` +
+    (repeats + WARMUP_STEPS) * (K + 1) tokens. Clipped at 0.
+    """
+    from pipeline.reference.engine import EngineConfig, LLMEngine, Request
+
+    _check(k, batch)
+    new_tokens = (repeats + WARMUP_STEPS) * (k + 1)  # a step adds at most K + 1 tokens: nobody finishes
+    config = EngineConfig(max_batch_size=batch, max_draft_len=k, max_input_len=context,
+                          max_seq_len=context + new_tokens + k + 1)
+    ids = torch.randint(target.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    plain, speculative = LLMEngine(target, config), LLMEngine(target, config, proposer)
+    for engine in (plain, speculative):
+        for i, prompt in enumerate(ids.tolist()):
+            engine.add_request(Request(f"cost{i}", prompt, new_tokens))
+        for _ in range(WARMUP_STEPS):  # the first runs every prompt (the draft's at its first propose)
+            engine.step()
+    costs = []
+    for _ in range(repeats):
+        step, speculative_step = _seconds(plain.step), _seconds(speculative.step)  # this round's, back to back
+        costs.append((speculative_step - step) / (k * step))
+    return max(statistics.median(costs), 0.0)
+
+
+def _check(k: int, batch: int) -> None:
+    """Refuse a K or batch that has no cost per draft token."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1 (got {k}): the cost is per draft token")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
 
 
 def _forward_call(model: LlamaModel, rows: int, batch: int, context: int) -> Callable[[], object]:
@@ -77,17 +124,6 @@ def _forward_call(model: LlamaModel, rows: int, batch: int, context: int) -> Cal
     model([SequenceInput([1] * context, 0, table) for table in tables], kv)
     seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
     return lambda: model(seqs, kv)
-
-
-def _drafting_call(draft: LlamaModel | DraftModelProposer, k: int, batch: int, context: int) -> Callable[[], object]:
-    """A call drafting K tokens for each of `batch` sequences of `context` committed tokens, as the draft runs (see
-    draft_token_cost); the proposer's first propose (the contexts' prefill) runs now."""
-    if isinstance(draft, DraftModelProposer):
-        inputs = [ProposalInput(f"cost{i}", [1] * context, k) for i in range(batch)]  # then one token to feed a call
-        draft.propose(inputs)
-        return lambda: draft.propose(inputs)
-    step = _forward_call(draft, 1, batch, context)
-    return lambda: [step() for _ in range(k)]
 
 
 def _seconds(call: Callable[[], object]) -> float:
