@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from pipeline.reference import compiled, decode_threads
+from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.linear import intra_op_threads
 from pipeline.reference.model import LlamaModel, SequenceInput
+from pipeline.reference.proposers import ProposalInput
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the module's engine builds, a fixture
 from tests.test_speculative import prompts
 
@@ -83,3 +85,17 @@ def test_a_cache_too_small_to_time_keeps_the_models_setting(compiled_model, monk
     kv = compiled_model.new_kv_cache(1, 32)  # 32 slots: fewer than CONTEXT + VERIFY_ROWS
     with intra_op_threads(2):
         assert decode_threads.choose(compiled_model, kv) == 1 and compiled_model.measured_decode_threads is None
+
+
+def test_a_draft_model_gets_the_faster_thread_count_where_a_target_would_not(tiny_llama, monkeypatch):
+    """A dense float32 model is outside the kernels (its GEMMs of several rows may round differently on two threads):
+    as a target it keeps one thread; as a draft (its tokens only proposals) the proposer measures it."""
+    monkeypatch.delenv(decode_threads.ENV, raising=False)
+    with intra_op_threads(2):
+        model = LlamaModel.from_hf(tiny_llama)
+        kv = model.new_kv_cache(8, 32)
+        assert not model.thread_count_invariant(kv)
+        assert decode_threads.choose(model, kv) == 1 and model.measured_decode_threads is None
+        proposer = DraftModelProposer(model, max_batch_size=2, max_seq_len=128)
+        assert model.measured_decode_threads in (1, 2) and model.decode_threads == model.measured_decode_threads
+        assert proposer.propose([ProposalInput("r", prompts(1)[0], 3)])[0].token_ids  # drafts on that count

@@ -14,7 +14,7 @@ import torch
 from pipeline.reference import compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import intra_op_threads
+from pipeline.reference.linear import ONE_ROW_SPLIT_BYTES, DenseLinear, dense_linear_op, intra_op_threads
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
 from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
@@ -128,6 +128,27 @@ def test_greedy_chains_refuse_blocks_too_few_for_the_chain(tiny_llama):
     kv = model.new_kv_cache(4, 16)
     with pytest.raises(RuntimeError, match="blocks hold fewer than its cached"):
         layers.greedy_chains([[3, 4]], [14], [2], [[0]], kv)  # positions 14..16: the third needs a second block
+
+
+def test_one_row_gemvs_split_over_the_threads_keep_f_linears_bits():
+    """`dense_linear` splits a one-row GEMV's output channels over the threads, each part MKL's GEMV: the result is
+    F.linear's on the same weight, bit for bit, in the wide and the usual layout, with and without a bias, for parts
+    of any size (split_min_bytes 0 splits every weight; 5 and 300 channels are no multiple of 16) and under inference
+    mode (a forward's: its threads must carry it)."""
+    torch.manual_seed(0)
+    split = dense_linear_op()
+    assert split is not None
+    for out_features, in_features in ((4096, 128), (300, 1000), (5, 64)):
+        weight = torch.randn(out_features, in_features)
+        for bias in (None, torch.randn(out_features)):
+            linear = DenseLinear(weight, bias)  # wide layout where out > in
+            x = torch.randn(1, in_features)
+            with intra_op_threads(2), torch.inference_mode():
+                parts = split(x, linear.weight, bias, 0)
+                called = linear(x)
+            expected = torch.nn.functional.linear(x, linear.weight, bias)
+            assert torch.equal(parts, expected) and torch.equal(called, expected)
+            assert linear.split_one_row == (out_features * in_features * 4 >= ONE_ROW_SPLIT_BYTES)
 
 
 def test_models_it_cannot_run_stay_eager(tiny_llama):

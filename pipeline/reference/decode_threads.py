@@ -31,25 +31,30 @@ MIN_GAIN = 0.05  # more threads must be this much faster (fewer threads leave th
 log = logging.getLogger(__name__)
 
 
-def choose(model: LlamaModel, kv: KVCache) -> int | None:
+def choose(model: LlamaModel, kv: KVCache, draft: bool = False) -> int | None:
     """Set and return `model.decode_threads`: REFERENCE_DECODE_THREADS where set; else, where the model's small
-    forwards over `kv` are thread-count invariant and torch runs more than one thread, the faster of one thread and
-    torch's count (a step plus a verify, measured once per model; blocks at the start of `kv` serve as scratch, so
-    call it before any request runs); else (also where `kv` holds fewer than CONTEXT + VERIFY_ROWS slots) the
-    model's own setting (1 by default). The tokens are the same whatever the choice."""
+    forwards over `kv` are thread-count invariant (or the model is a `draft`) and torch runs more than one thread,
+    the faster of one thread and torch's count (a step plus a verify, a draft's one-token step alone: what it runs;
+    measured once per model; blocks at the start of `kv` serve as scratch, so call it before any request runs);
+    else (also where `kv` holds fewer than CONTEXT + VERIFY_ROWS slots) the model's own setting (1 by default).
+    The tokens are the same whatever the choice; a draft's proposals may differ (its dense GEMMs of several rows
+    need not round alike on other thread counts), but they are only proposals the target verifies. SmolLM2's
+    4-layer float32 draft stepped in 8.0-8.6 ms on two threads against 9.8-10.4 on one, its one-row GEMVs split
+    over both (linear.ONE_ROW_SPLIT_BYTES); the trained pair's 1-layer draft in 0.19-0.28 against 0.18-0.21, and
+    in the engine its proposals on two threads made the pair 13% slower."""
     forced = os.environ.get(ENV)
     if forced:
         model.decode_threads = _positive(forced)
         return model.decode_threads
     candidates = sorted({1, torch.get_num_threads()})
     too_small = kv.num_blocks * kv.block_size < CONTEXT + VERIFY_ROWS  # no room for the timed forwards
-    if len(candidates) == 1 or too_small or not model.thread_count_invariant(kv):
+    if len(candidates) == 1 or too_small or not (draft or model.thread_count_invariant(kv)):
         return model.decode_threads
     if model.measured_decode_threads is None:
-        seconds = time_small_forwards(model, kv, candidates)
+        seconds = time_small_forwards(model, kv, candidates, verify=not draft)
         model.measured_decode_threads = faster(seconds)
-        log.info("decode steps and verifies on %d thread(s) (a step plus a %d-token verify: %s)",
-                 model.measured_decode_threads, VERIFY_ROWS,
+        timed = "a draft step" if draft else f"a step plus a {VERIFY_ROWS}-token verify"
+        log.info("small forwards on %d thread(s) (%s: %s)", model.measured_decode_threads, timed,
                  ", ".join(f"{n} thread(s) {s * 1e3:.1f} ms" for n, s in seconds.items()))
     model.decode_threads = model.measured_decode_threads
     return model.decode_threads
@@ -62,9 +67,9 @@ def faster(seconds: dict[int, float]) -> int:
     return best if seconds[best] < (1 - MIN_GAIN) * seconds[fewest] else fewest
 
 
-def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int]) -> dict[int, float]:
-    """{threads: median seconds of a one-token step plus a VERIFY_ROWS-token forward after CONTEXT cached tokens},
-    the thread counts taking turns (a shared machine's load changes within seconds)."""
+def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int], verify: bool = True) -> dict[int, float]:
+    """{threads: median seconds of a one-token step plus (verify) a VERIFY_ROWS-token forward after CONTEXT cached
+    tokens}, the thread counts taking turns (a shared machine's load changes within seconds)."""
     blocks = list(range(-(-(CONTEXT + VERIFY_ROWS) // kv.block_size)))  # choose() checked that kv has them
     ids = [(7 * i + 3) % model.vocab_size for i in range(CONTEXT + VERIFY_ROWS)]
     model([SequenceInput(ids[:CONTEXT], 0, blocks)], kv)
@@ -72,7 +77,8 @@ def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int]
     def step_and_verify() -> float:
         start = time.perf_counter()
         model([SequenceInput(ids[CONTEXT:CONTEXT + 1], CONTEXT, blocks)], kv)
-        model([SequenceInput(ids[CONTEXT:], CONTEXT, blocks, logits_rows=list(range(VERIFY_ROWS)))], kv)
+        if verify:
+            model([SequenceInput(ids[CONTEXT:], CONTEXT, blocks, logits_rows=list(range(VERIFY_ROWS)))], kv)
         return time.perf_counter() - start
 
     before = model.decode_threads

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import TOKENS_PER_BLOCK
-from pipeline.reference import fused_layers
+from pipeline.reference import decode_threads, fused_layers
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
@@ -61,6 +61,7 @@ class DraftModelProposer:
             model.fused_layers = fused_layers.build(model)  # its steps as one C++ call each (None: eager)
         fused = model.fused_layers
         self.greedy_chains = isinstance(fused, fused_layers.FusedDenseLayers) and fused.lm_head is not None
+        decode_threads.choose(model, self.kv, draft=True)  # its small forwards on the faster thread count
         self.block_manager = BlockManager(num_blocks, tokens_per_block)
         self.sequences: dict[str, _DraftSequence] = {}
 

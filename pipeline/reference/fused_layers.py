@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
-from pipeline.reference.linear import ONEDNN_ROWS, DenseLinear, Int8PerToken, intra_op_threads
+from pipeline.reference.linear import ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, DenseLinear, Int8PerToken, intra_op_threads
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
 BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
@@ -79,7 +79,7 @@ class FusedDenseLayers:
         m = self.model
         return torch.ops.specdeploy.dense_layers(x, cos, sin, self.weights, kv.k, kv.v, plan.slots, *plan.row_keys,
                                                  m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
-                                                 self.attention)
+                                                 self.attention, ONE_ROW_SPLIT_BYTES)
 
     def greedy_chains(self, feeds: list[list[int]], cached: list[int], counts: list[int],
                       block_tables: list[list[int]], kv) -> list[list[int]]:
@@ -99,7 +99,7 @@ class FusedDenseLayers:
                 flat_feeds, feed_counts, torch.tensor(cached, dtype=torch.long), torch.tensor(counts, dtype=torch.long),
                 tables, kv.block_size, m.embed, head.weight, packed, ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
                 m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
-                m.eps, m.scale, self.attention)  # [B, max(counts)]
+                m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES)  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 
 

@@ -25,6 +25,7 @@ tokens in one call instead of row by row, and speculative output still equals pl
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm, int8_grid_gemm
+from pipeline.reference import bf16_weight_gemm, cpp_ops, fp16_weight_gemm, int8_grid_gemm
 from pipeline.reference.int8_grid_gemm import PackedInt8
 
 INT8_MAX = 127.0
@@ -41,6 +42,10 @@ _fixed_grid_linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_outpu
 # float32 DenseLinear: calls of ONEDNN_ROWS rows (verifies, batched decode steps) run oneDNN's GEMM on weights
 # packed for ONEDNN_ROW_HINT rows; one row and prefill-sized calls stay on MKL (closest to transformers' logits)
 ONEDNN_ROWS, ONEDNN_ROW_HINT = range(2, 17), 6
+# float32 DenseLinear: a one-row call whose weight has at least this many bytes (past the 1 MB L2) runs MKL's GEMV on
+# every thread, the output channels split between them (`dense_linear`, csrc/fused_layers.cpp): MKL runs one row on
+# one thread, and a weight streamed from L3 or memory reads about twice as fast on two (docs/benchmarks.md)
+ONE_ROW_SPLIT_BYTES = 1 << 20
 
 
 def wide_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -55,11 +60,21 @@ def wide_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t() if wide else weight
 
 
+@functools.cache
+def dense_linear_op():
+    """`torch.ops.specdeploy.dense_linear` (one-row GEMVs on every thread, F.linear's bits) where the fused layers'
+    library builds (csrc/fused_layers.cpp), else None."""
+    from pipeline.reference import fused_layers  # it imports this module
+
+    return torch.ops.specdeploy.dense_linear if cpp_ops.loaded(fused_layers.BUILD) else None
+
+
 class DenseLinear:
     """x @ weight.T (+ bias) on the compute dtype; float32 calls of several rows on oneDNN's prepacked GEMM.
 
     One row (a decode step, and every row of exact mode's row-by-row calls) runs `F.linear` (MKL) on
-    the wide layout; float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
+    the wide layout, on every thread for a float32 weight of ONE_ROW_SPLIT_BYTES or more (`dense_linear`: the
+    same bits); float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
     oneDNN's GEMM on weights packed once for ONEDNN_ROW_HINT rows: 2-2.7x faster than MKL for 4-16
     rows on SmolLM2's shapes, but slower for one row (`make bench-kernels`, docs/engine.md). Prefill
     stays on MKL: oneDNN's sums drift up to 3e-4 from transformers' logits over SmolLM2's 30 layers
@@ -72,11 +87,15 @@ class DenseLinear:
         self.weight, self.bias = wide_layout(weight), bias  # [out, in]
         fp32 = weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROW_HINT) if fp32 else None
+        self.split_one_row = weight.dtype == torch.float32 and tensor_bytes([weight]) >= ONE_ROW_SPLIT_BYTES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] not in ONEDNN_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if self.packed is not None and rows in ONEDNN_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if rows == 1 and x.dim() == 2 and self.split_one_row and (split := dense_linear_op()) is not None:
+            return split(x, self.weight, self.bias, ONE_ROW_SPLIT_BYTES)
+        return F.linear(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:

@@ -3,8 +3,9 @@
 //   20-30 small ops per layer, 2-40 us each from Python (the RMSNorm alone is five ATen ops), for arithmetic that
 //   takes a few microseconds at a draft's widths. Each layer is RMSNorm -> qkv GEMM (+ bias) -> RoPE -> KV write and
 //   row attention -> o GEMM -> residual -> RMSNorm -> gate_up GEMM -> SiLU * up -> down GEMM -> residual, then the
-//   final RMSNorm; the GEMMs are at::linear (the eager path's F.linear). The results are close to the eager
-//   layers', not bit-equal (the RMSNorm sums in row order; tests/test_fused_layers.py).
+//   final RMSNorm; the GEMMs give at::linear's results (the eager path's F.linear; `linear` splits one-row GEMVs over
+//   the threads). The results are close to the eager layers', not bit-equal (the RMSNorm sums in row order;
+//   tests/test_fused_layers.py).
 // - `int8_sq_layers`: every layer of an int8_sq model (W8A8, per-token activations): the same layer with each GEMM
 //   input multiplied by its SmoothQuant 1/smoother and divided by its row's max |x| (`scale_rows`), the GEMM the
 //   project's int8 kernel named by `gemm` (pipeline/reference/int8_grid_gemm.py), its output multiplied back by the
@@ -15,6 +16,7 @@
 // row_attention.py); everything else plain loops over the rows. Python side: pipeline/reference/fused_layers.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -111,6 +113,36 @@ void add_(at::Tensor& x, const at::Tensor& y) {
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
 }
 
+constexpr int64_t SPLIT_ALIGN = 16;  // output channels per 64 bytes: every part starts on a cache line
+
+// x [R, in] @ w [out, in]^T (+ bias) -> [R, out], bit for bit at::linear's result. MKL runs a one-row GEMV on one
+// thread whatever torch's thread count (a 4096 x 128 output layer 50-64 us, SmolLM2's 49152 x 576 one 6.8-10 ms on
+// one thread or two), so for one row and a weight of split_min_bytes or more (linear.py's ONE_ROW_SPLIT_BYTES) the
+// output channels are split over torch's threads, each part the same MKL GEMV on its channels (a channel's sum does
+// not depend on the others: 38 us and 3.4 ms on two threads, docs/benchmarks.md). Several rows, or a call inside a
+// parallel region, run at::linear as it is.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  int64_t split_min_bytes) {
+  const int64_t N = w.size(0), threads = at::get_num_threads();
+  if (x.size(0) != 1 || threads < 2 || w.numel() * w.element_size() < split_min_bytes || at::in_parallel_region())
+    return at::linear(x, w, bias);
+  auto out = at::empty({1, N}, x.options());
+  const int64_t part = (N / threads + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
+  const at::ThreadLocalState caller;  // inference mode and the like, for the ATen calls on the other threads
+  at::parallel_for(0, threads, 1, [&](int64_t p0, int64_t p1) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = std::min(N, p * part), n = std::min(N, n0 + part) - n0;
+      if (n == 0) continue;
+      at::Tensor o = out.narrow(1, n0, n);
+      const at::Tensor wt = w.narrow(0, n0, n).t();
+      if (bias) at::addmm_out(o, bias->narrow(0, n0, n), x, wt);  // as at::linear: addmm with the bias
+      else at::mm_out(o, x, wt);
+    }
+  });
+  return out;
+}
+
 // write_and_attend(q, k_new, v_new, new_slots, k, v, slots, starts, lengths, scale) -> [T, H * D]
 using AttendSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                    at::Tensor, at::Tensor, double);
@@ -136,7 +168,7 @@ AttendOp attend_op(const std::string& name) { return find_op(name).typed<AttendS
 at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
                         at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots,
                         at::Tensor starts, at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
-                        double eps, double scale, std::string attention) {
+                        double eps, double scale, std::string attention, int64_t split_min_bytes) {
   const int64_t L = k.size(0);
   TORCH_CHECK(int64_t(weights.size()) == L * TENSORS_PER_LAYER && v.size(0) == L,
               "dense_layers: ", TENSORS_PER_LAYER, " weights per layer of the caches k, v [layers, slots, KVH, D]");
@@ -151,13 +183,14 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * TENSORS_PER_LAYER;
     const std::optional<at::Tensor> bias = w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt;
-    const at::Tensor qkv = at::linear(rms_norm(x, w[0], eps), w[2], bias);
+    const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[2], bias, split_min_bytes);
     at::Tensor q, kn, vn;
     rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
     at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
                                   scale);  // [T, H * D]
-    add_(x, at::linear(attn, w[4]));
-    add_(x, at::linear(silu_mul(at::linear(rms_norm(x, w[1], eps), w[5])), w[6]));
+    add_(x, linear(attn, w[4], std::nullopt, split_min_bytes));
+    add_(x, linear(silu_mul(linear(rms_norm(x, w[1], eps), w[5], std::nullopt, split_min_bytes)), w[6], std::nullopt,
+                   split_min_bytes));
   }
   return rms_norm(x, final_norm, eps);
 }
@@ -168,8 +201,9 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
 // `weight` (MKL: the one-row F.linear). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in 162 ms on
 // at::linear against 94 forward by forward on oneDNN.
 at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed, int64_t min_rows,
-                        int64_t max_rows) {
-  if (packed.numel() == 0 || x.size(0) < min_rows || x.size(0) > max_rows) return at::linear(x, weight);
+                        int64_t max_rows, int64_t split_min_bytes) {
+  if (packed.numel() == 0 || x.size(0) < min_rows || x.size(0) > max_rows)
+    return linear(x, weight, std::nullopt, split_min_bytes);
   static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
   std::vector<c10::IValue> stack{x.contiguous(), packed, c10::IValue(), std::string("none"),
                                  c10::List<std::optional<at::Scalar>>(), std::string("")};
@@ -190,7 +224,7 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
                                at::Tensor lm_head_packed, int64_t packed_min_rows, int64_t packed_max_rows,
                                at::Tensor rope_cos, at::Tensor rope_signed_sin, std::vector<at::Tensor> weights,
                                at::Tensor k, at::Tensor v, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
-                               double eps, double scale, std::string attention) {
+                               double eps, double scale, std::string attention, int64_t split_min_bytes) {
   const int64_t B = counts.numel(), blocks = block_tables.size(1), positions = rope_cos.size(0);
   for (const at::Tensor* t : {&feed, &feed_counts, &cached, &counts, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "dense_greedy_chains: feed, feed_counts, cached, "
@@ -238,9 +272,10 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
                                            rope_cos.index_select(0, at_pos).unsqueeze(1),
                                            rope_signed_sin.index_select(0, at_pos).unsqueeze(1), weights, k, v,
                                            longs(new_slots), longs(key_slots), longs(starts), longs(lengths),
-                                           final_norm, heads, kv_heads, eps, scale, attention);  // [T, hidden]
+                                           final_norm, heads, kv_heads, eps, scale, attention, split_min_bytes);  // [T, hidden]
     const at::Tensor rows = last_rows.size() == tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
-    const at::Tensor next = output_layer(rows, lm_head, lm_head_packed, packed_min_rows, packed_max_rows).argmax(-1);
+    const at::Tensor next = output_layer(rows, lm_head, lm_head_packed, packed_min_rows, packed_max_rows, split_min_bytes)
+                              .argmax(-1);
     const int64_t* np = next.data_ptr<int64_t>();
     for (size_t i = 0; i < row_request.size(); ++i) dp[row_request[i] * longest + s] = np[i];
   }
@@ -371,17 +406,23 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   return rms_norm(x, final_norm, eps);
 }
 
+// The op: `linear` for DenseLinear's one-row calls (pipeline/reference/linear.py)
+at::Tensor dense_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, int64_t split_min_bytes) {
+  return linear(x, w, bias, split_min_bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("dense_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
-        "float eps, float scale, str attention) -> Tensor", &dense_layers);
+        "float eps, float scale, str attention, int split_min_bytes) -> Tensor", &dense_layers);
+  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int split_min_bytes) -> Tensor", &dense_linear);
   m.def("dense_greedy_chains(Tensor feed, Tensor feed_counts, Tensor cached, Tensor counts, Tensor block_tables, "
         "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_packed, int packed_min_rows, int packed_max_rows, "
         "Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, "
-        "Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, float scale, str attention) "
-        "-> Tensor", &dense_greedy_chains);
+        "Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, float scale, str attention, "
+        "int split_min_bytes) -> Tensor", &dense_greedy_chains);
   m.def("int8_sq_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, str gemm, float step, int zero_point, int amx_min_rows) -> Tensor",
