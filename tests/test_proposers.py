@@ -163,7 +163,11 @@ def test_policy_batch_gate_and_short_outputs():
     policy = PolicyProposer(inner, PolicyConfig(num_draft_tokens=4, max_batch_for_speculation=2,
                                                 min_new_tokens_for_speculation=8))
     assert ask(policy, n=3) == [0, 0, 0]  # three running > 2: nobody speculates
-    assert inner.asked == [0, 0, 0]  # the proposer still sees every request (to keep up)
+    assert inner.asked == []  # a proposer of committed tokens alone is not asked when nobody drafts
+    follower = FixedProposer()
+    follower.needs_hidden_states = True  # it follows the target's features (EAGLE): it sees every request
+    gated = PolicyProposer(follower, PolicyConfig(num_draft_tokens=4, max_batch_for_speculation=2))
+    assert ask(gated, n=3) == [0, 0, 0] and follower.asked == [0, 0, 0]
     assert ask(policy, n=2) == [0, 0]  # the batch is the requests it follows: r2 still runs (it was not released)
     policy.release("r2")
     assert ask(policy, n=2) == [4, 4]
