@@ -82,9 +82,9 @@ def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, b
     plainly and one with `proposer` drafting K tokens every step; once every prompt is in and both have warmed up, each
     of `repeats` rounds times one plain step, then one speculative step: the median of the rounds' costs, in wall
     time. What forwards timed back to back leave out is in: the engine's own work on a speculative step (verify
-    plan, acceptance, KV bookkeeping) and the target and draft evicting each other's weights from the caches (a
-    trained pair's 1-layer draft token cost 0.43-0.58 of a step in the engine where its forwards alone timed
-    0.24-0.46: docs/benchmarks.md). proposer: fresh, and sized for `batch` requests of `context` +
+    plan, acceptance, KV bookkeeping) and the target and draft evicting each other's weights from the caches (the
+    trained pair's 1-layer draft, untrained, timed 0.36-0.48 of a step here where back-to-back forwards and proposes
+    timed 0.10-0.34: docs/benchmarks.md). proposer: fresh, and sized for `batch` requests of `context` +
     (repeats + WARMUP_STEPS) * (K + 1) tokens. Clipped at 0.
     """
     from pipeline.reference.engine import EngineConfig, LLMEngine, Request
