@@ -144,7 +144,7 @@ KERNELS = {
     "fp32 F.linear, wide layout": lambda w: (lambda x, w=wide_layout(w): F.linear(x, w)),
     "fp32 oneDNN prepacked": onednn_prepacked,
     "fp32 oneDNN packed for 6 rows (_linear_pointwise)": onednn_packed_for_rows,
-    "fp32 DenseLinear (F.linear wide for 1 row, oneDNN packed for 2-16)": DenseLinear,
+    "fp32 DenseLinear (1 row: F.linear wide, split over the threads from 1 MB; oneDNN packed for 2-16)": DenseLinear,
     "bf16 F.linear": lambda w: (lambda x, w=w.bfloat16(): F.linear(x.bfloat16(), w)),
     "bf16 oneDNN packed, bf16 output": onednn_bf16_packed,
     "fp16 weights, fp32 act (Float16Weights, fbgemm)": functools.partial(Float16Weights, project_kernel=False),
