@@ -1,5 +1,7 @@
 """Proposers without an engine: n-gram lookup, tree building, the policy wrapper, metrics."""
 
+import random
+
 import pytest
 
 from pipeline.reference.metrics import SpecStats, aggregate
@@ -137,9 +139,10 @@ def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar()
 
 
 def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
-    """A draft token costs 0.6 of a step: after 2 steps (8 draft tokens) with nothing accepted, even the optimistic
-    bound (0 + sqrt(ln 20 / 16) = 0.43) is below the bar, so it stops 6 steps before the window of 8; half accepted
-    goes on; a cheap bar (10%) waits for the window as before."""
+    """A draft token costs 0.6 of a step: after 2 steps with nothing accepted (2 positions checked, none accepted), a
+    position's acceptance is at most 1 - 20^(-1/2) = 0.78 at 95%, which brings at most 0.55 of a token per draft token
+    at K=4: below the bar, so it stops 6 steps before the window of 8; half accepted goes on; a cheap bar (10%) waits
+    for the window as before."""
     for accepted, cost, after_two in ((0, 0.6, 0), (2, 0.6, 4), (0, 0.0, 4)):
         policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8,
                                                               draft_token_costs=((1, cost),) if cost else ()))
@@ -148,6 +151,38 @@ def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
         assert ask(policy) == [4]  # one step: 4 draft tokens say little (margin 0.61)
         policy.update("r0", accepted, 4)
         assert ask(policy) == [after_two]
+
+
+@pytest.mark.parametrize("k, bar", [(4, 0.5), (8, 0.3)])
+def test_policy_early_stop_stops_a_draft_at_the_break_even_in_at_most_5_percent_of_windows(k, bar):
+    """Simulated chain drafts whose positions are each accepted with probability alpha, alpha set so that the expected
+    acceptance (sum(alpha^i, i <= K) / K) is the bar: the early stop may end such a draft before its window in about
+    5% of windows (EARLY_STOP_RISK), not more (counting draft tokens as independent samples stopped 15-17% here);
+    a draft that accepts nothing still stops within 4 steps."""
+    alpha = 0.0
+    for step in (0.5 ** i for i in range(1, 40)):  # bisection on alpha
+        if sum((alpha + step) ** i for i in range(1, k + 1)) / k <= bar:
+            alpha += step
+    rng, windows, stopped = random.Random(0), 1000, 0
+    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, min_acceptance_rate=0.05, window=8,
+                          draft_token_costs=((1, bar),))
+    for _ in range(windows):
+        policy = PolicyProposer(FixedProposer(), config)
+        for _ in range(7):  # the window decides at the 8th step
+            if ask(policy) == [0]:
+                stopped += 1
+                break
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            policy.update("r0", accepted, k)
+    assert stopped / windows <= 0.07
+    useless = PolicyProposer(FixedProposer(), config)
+    steps = 0
+    while ask(useless) == [k]:
+        useless.update("r0", 0, k)
+        steps += 1
+    assert 2 <= steps <= 4
 
 
 def test_policy_keeps_a_decent_request_through_a_run_of_rejections():
