@@ -16,8 +16,8 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   evidence is the running requests' pooled acceptance, and nothing is decided before they have
   `window * num_draft_tokens` draft tokens between them (at batch 1: the request's own, after about
   `window` steps). With 8 in flight a useless draft stops after one step instead of `window`.
-  Before that, the pool stops early when even an optimistic reading of its chain drafts cannot pay
-  (`hopeless`): under speculative decoding's usual model (each draft position the target checks is
+  Before that, the pool stops early when even an optimistic reading of the running requests' chain drafts
+  cannot pay (`hopeless`; finished requests' evidence, below, fills only the window): under speculative decoding's usual model (each draft position the target checks is
   accepted with the same probability alpha, independently), a step that accepted a of its k draft tokens
   checked a + 1 positions (k if it accepted all); alpha's 95% upper bound from those positions (Chernoff's,
   in KL form) gives an expected acceptance of sum(alpha^i, i <= k) / k per step, and below the bar the
