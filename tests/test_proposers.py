@@ -154,7 +154,7 @@ def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
 
 
 @pytest.mark.parametrize("k, bar", [(4, 0.5), (8, 0.3)])
-def test_policy_early_stop_stops_a_draft_at_the_break_even_in_at_most_5_percent_of_windows(k, bar):
+def test_policy_early_stop_stops_a_draft_at_the_break_even_in_about_5_percent_of_windows(k, bar):
     """Simulated chain drafts whose positions are each accepted with probability alpha, alpha set so that the expected
     acceptance (sum(alpha^i, i <= K) / K) is the bar: the early stop may end such a draft before its window in about
     5% of windows (EARLY_STOP_RISK), not more (counting draft tokens as independent samples stopped 15-17% here);
