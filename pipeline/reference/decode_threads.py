@@ -74,7 +74,7 @@ def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int]
     ids = [(7 * i + 3) % model.vocab_size for i in range(CONTEXT + VERIFY_ROWS)]
     model([SequenceInput(ids[:CONTEXT], 0, blocks)], kv)
 
-    def step_and_verify() -> float:
+    def small_forwards() -> float:
         start = time.perf_counter()
         model([SequenceInput(ids[CONTEXT:CONTEXT + 1], CONTEXT, blocks)], kv)
         if verify:
@@ -87,7 +87,7 @@ def time_small_forwards(model: LlamaModel, kv: KVCache, thread_counts: list[int]
         for round_ in range(ROUNDS + 1):  # the first round warms up
             for n in thread_counts:
                 model.decode_threads = n
-                elapsed = step_and_verify()
+                elapsed = small_forwards()
                 if round_:
                     seconds[n].append(elapsed)
     finally:
