@@ -92,6 +92,17 @@ def ask(policy, n=1, max_new_tokens=128, num_generated=1, k=8):  # 1: the answer
     return [len(d.token_ids) for d in policy.propose(inputs)]
 
 
+def run_chains(policy, accept, steps, n=1):
+    """`steps` steps of n requests whose drafts are accepted through their first accept[i] tokens (an int: all the
+    same); returns the draft lengths the policy asks for next."""
+    accept = [accept] * n if isinstance(accept, int) else accept
+    for _ in range(steps):
+        for i, k in enumerate(ask(policy, n=n)):
+            if k:
+                policy.update(f"r{i}", min(accept[i], k), k)
+    return ask(policy, n=n)
+
+
 def test_policy_adapts_draft_length_like_transformers_heuristic():
     policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, max_draft_tokens=8, adaptive=True))
     assert ask(policy) == [4]
@@ -124,41 +135,35 @@ def test_policy_switches_a_request_off_when_acceptance_stays_low():
 
 
 def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar():
-    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_costs=((1, 0.4),))
-    for accepted, k in ((1, 0), (2, 4)):  # 25 %: above 10 % but below the 40 % a draft token costs; 50 %: pays
-        policy = PolicyProposer(FixedProposer(), config)
-        for _ in range(3):
-            ask(policy)
-            policy.update("r0", accepted, 4)
-        assert ask(policy) == [k]
+    """Drafts whose first token is always accepted, their second never: where draft tokens cost, the slow start holds
+    them at 2 tokens (53 % of the window's 15), which pays at a cost of 0.4 and not at 0.6; free draft tokens draft 4
+    from the start, and their 25 % clears the 10 % floor."""
+    for cost, k in ((0.6, 0), (0.4, 2)):
+        config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3, draft_token_costs=((1, cost),))
+        assert run_chains(PolicyProposer(FixedProposer(), config), accept=1, steps=8) == [k]
     free = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=3))
-    ask(free)
-    for _ in range(3):
-        free.update("r0", 1, 4)
-    assert ask(free) == [4]  # free draft tokens (cost 0): 25 % keeps speculating
+    assert run_chains(free, accept=1, steps=8) == [4]
 
 
 def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
-    """A draft token costs 0.6 of a step: after 2 steps with nothing accepted (2 positions checked, none accepted), a
-    position's acceptance is at most 1 - 20^(-1/2) = 0.78 at 95%, which brings at most 0.55 of a token per draft token
-    at K=4: below the bar, so it stops 6 steps before the window of 8; half accepted goes on; a cheap bar (10%) waits
-    for the window as before."""
-    for accepted, cost, after_two in ((0, 0.6, 0), (2, 0.6, 4), (0, 0.0, 4)):
+    """A draft token costs 0.6 of a step. The slow start probes with one draft token, and each probe stands for the
+    draft of 4 it cut: after 2 probes rejected (2 positions checked, none accepted), a position's acceptance is at most
+    1 - 20^(-1/2) = 0.78 at 95%, which brings at most 0.55 of a token per draft token at K=4: below the bar, so it stops
+    6 steps before the window of 8. Drafts accepted through their first 2 tokens grow a position with every position
+    accepted through; free draft tokens draft 4 from the start and wait for the window."""
+    for accept, cost, asks in ((0, 0.6, [[1], [1], [0]]), (2, 0.6, [[1], [2], [3]]), (0, 0.0, [[4], [4], [4]])):
         policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8,
                                                               draft_token_costs=((1, cost),) if cost else ()))
-        assert ask(policy) == [4]
-        policy.update("r0", accepted, 4)
-        assert ask(policy) == [4]  # one step: 4 draft tokens say little (margin 0.61)
-        policy.update("r0", accepted, 4)
-        assert ask(policy) == [after_two]
+        assert [run_chains(policy, accept, steps) for steps in (0, 1, 1)] == asks
 
 
 @pytest.mark.parametrize("k, bar", [(4, 0.5), (8, 0.3)])
 def test_policy_early_stop_stops_a_draft_at_the_break_even_in_about_5_percent_of_windows(k, bar):
     """Simulated chain drafts whose positions are each accepted with probability alpha, alpha set so that the expected
     acceptance (sum(alpha^i, i <= K) / K) is the bar: the early stop may end such a draft before its window in about
-    5% of windows (EARLY_STOP_RISK), not more (counting draft tokens as independent samples stopped 15-17% here);
-    a draft that accepts nothing still stops within 4 steps."""
+    5% of windows (EARLY_STOP_RISK), not more (counting draft tokens as independent samples stopped 15-17% here),
+    with the slow start's short drafts standing for the drafts of K they cut; a draft that accepts nothing still stops
+    within 4 steps, each a probe of one draft token."""
     alpha = 0.0
     for step in (0.5 ** i for i in range(1, 40)):  # bisection on alpha
         if sum((alpha + step) ** i for i in range(1, k + 1)) / k <= bar:
@@ -167,22 +172,24 @@ def test_policy_early_stop_stops_a_draft_at_the_break_even_in_about_5_percent_of
     config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, min_acceptance_rate=0.05, window=8,
                           draft_token_costs=((1, bar),))
     for _ in range(windows):
-        policy = PolicyProposer(FixedProposer(), config)
-        for _ in range(7):  # the window decides at the 8th step
-            if ask(policy) == [0]:
+        policy, proposed = PolicyProposer(FixedProposer(), config), 0
+        while proposed < config.window * k:  # then the window decides
+            [asked] = ask(policy)
+            if asked == 0:
                 stopped += 1
                 break
             accepted = 0
-            while accepted < k and rng.random() < alpha:
+            while accepted < asked and rng.random() < alpha:
                 accepted += 1
-            policy.update("r0", accepted, k)
+            policy.update("r0", accepted, asked)
+            proposed += asked
     assert stopped / windows <= 0.07
     useless = PolicyProposer(FixedProposer(), config)
     steps = 0
-    while ask(useless) == [k]:
-        useless.update("r0", 0, k)
+    while ask(useless) == [1]:
+        useless.update("r0", 0, 1)
         steps += 1
-    assert 2 <= steps <= 4
+    assert 2 <= steps <= 4 and ask(useless) == [0]
 
 
 def test_policy_keeps_a_decent_request_through_a_run_of_rejections():
@@ -280,24 +287,20 @@ def test_policy_break_even_follows_the_running_batch_size():
 
 
 def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
-    """With 8 in flight the costlier batch bar applies, and one step of the batch (8 x 4 draft tokens) is
-    enough evidence: the requests stop together after it, long before their own window of 8 steps, the
-    lucky ones included. When the batch shrinks to the two requests that did well, they speculate again;
-    the same acceptance at batch 1 (bar 20 %) keeps speculating."""
+    """With 8 in flight the costlier batch bar applies, and three steps of the batch (the slow start's 1, 2 and 3
+    draft tokens each: 48) are enough evidence: the requests stop together after them, long before their own window
+    of 8 steps, the lucky ones included. When the batch shrinks to the two requests that did well, they speculate
+    again, all 4 positions (r0's drafts were accepted through the third); drafts accepted through their first token
+    alone (50 % at the 2 tokens the slow start holds them to) keep speculating at batch 1 (bar 20 %)."""
     config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.2), (8, 0.5)))
     policy = PolicyProposer(FixedProposer(), config)
-    assert ask(policy, n=8) == [4] * 8
-    for i, accepted in enumerate([4, 2, 1, 1, 1, 0, 0, 0]):  # pooled 28 % < 50 %
-        policy.update(f"r{i}", accepted, 4)
-    assert ask(policy, n=8) == [0] * 8
+    assert run_chains(policy, [4, 2, 1, 1, 1, 0, 0, 0], steps=2, n=8) == [3] * 8
+    assert run_chains(policy, [4, 2, 1, 1, 1, 0, 0, 0], steps=1, n=8) == [0] * 8  # pooled 20 of 48 (42 %) < 50 %
     for i in range(2, 8):
-        policy.release(f"r{i}")  # r0 (100 %) and r1 (50 %) run on alone: pooled 75 %, bar 24 % at batch 2
+        policy.release(f"r{i}")  # r0 (6 of 6) and r1 (5 of 6) run on alone: bar 24 % at batch 2
     assert ask(policy, n=2) == [4, 4]
     alone = PolicyProposer(FixedProposer(), config)
-    for i in range(8):
-        ask(alone, n=1)
-        alone.update("r0", 1, 4)  # 25 % at batch 1
-    assert ask(alone, n=1) == [4]
+    assert run_chains(alone, accept=1, steps=8) == [2]
 
 
 def test_policy_takes_no_evidence_from_drafts_for_a_prompts_last_step():
@@ -316,23 +319,22 @@ def test_policy_takes_no_evidence_from_drafts_for_a_prompts_last_step():
 
 
 def test_policy_ends_drafts_at_the_first_position_that_does_not_pay_at_the_running_batch():
-    """A draft token costs 0.3 of a step with 4 in flight and nothing alone. Drafts of 4 whose first two tokens are
-    always accepted and the last two never: with 4 in flight, once positions 2 and 3 have 16 draft tokens of evidence,
-    drafts stop after 2 tokens (the pool's 50 % still pays, so speculation stays on); a request alone drafts 4 again;
-    the evidence fades, so with 4 in flight position 2 is tried again after some steps."""
+    """A draft token costs 0.3 of a step with 4 in flight and nothing alone. Drafts whose first two tokens are always
+    accepted and the rest never: with 4 in flight the slow start drafts 1, 2, then 3 tokens (no draft was accepted
+    through the third position, so it never drafts the fourth); once position 2 has 16 draft tokens of evidence, drafts
+    stop after 2 tokens (the pool's 67 % still pays, so speculation stays on); a request alone (free draft tokens)
+    drafts 4; the evidence fades, so with 4 in flight position 2 is tried again after some steps."""
     config = PolicyConfig(num_draft_tokens=4, max_draft_tokens=4, min_acceptance_rate=0.1, window=2,
                           draft_token_costs=((1, 0.0), (4, 0.3)))
     policy = PolicyProposer(FixedProposer(), config)
-    for _ in range(5):  # 20 draft tokens at each position (a little less: the evidence fades every step)
-        assert ask(policy, n=4) == [4] * 4
-        for i in range(4):
-            policy.update(f"r{i}", 2, 4)
-    assert ask(policy, n=4) == [2] * 4
+    assert run_chains(policy, accept=2, steps=2, n=4) == [3] * 4
+    assert run_chains(policy, accept=2, steps=4, n=4) == [3] * 4  # 16 draft tokens at position 2 (a little less: fading)
+    assert run_chains(policy, accept=2, steps=1, n=4) == [2] * 4
     assert policy.useful_positions(1) == 4  # free draft tokens: every position pays
     steps = 1
     while ask(policy, n=4) == [2] * 4:  # nothing new is verified: only the fading changes the evidence
         steps += 1
-    assert steps >= 10 and ask(policy, n=4) == [4] * 4
+    assert steps >= 10 and ask(policy, n=4) == [3] * 4
     for i in range(1, 4):
         policy.release(f"r{i}")
     assert ask(policy, n=1) == [4]
@@ -349,10 +351,11 @@ def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     def step(ids):
         return [len(d.token_ids) for d in policy.propose([ProposalInput(i, [1, 2, 3], 8, num_generated=1) for i in ids])]
 
-    assert step(["a", "b", "c", "d"]) == [4] * 4
-    for i in "abcd":
-        policy.update(i, 1, 4)  # 25 %: pays at batch 1, not at 4
-    assert step(["a", "b", "c", "d"]) == [0] * 4
+    for k in (1, 2):  # the slow start's probe, then 2 tokens: drafts accepted through their first token
+        assert step(["a", "b", "c", "d"]) == [k] * 4
+        for i in "abcd":
+            policy.update(i, 1, k)
+    assert step(["a", "b", "c", "d"]) == [0] * 4  # 8 of 12 (67 %): pays at batch 1, not at 4
     policy.release("a")
     assert step(["b", "c", "d", "e"]) == [0] * 4  # e has no evidence of its own: a's fills it in
     policy.release("b")
@@ -363,7 +366,8 @@ def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     steps = 1
     while step(["e", "f", "g", "h"]) == [0] * 4:  # nothing new is proposed: only the fading changes the pool
         steps += 1
-    assert steps > 50 and policy.past_proposed < config.window * config.num_draft_tokens  # tried again
+    # tried again once the 12 finished draft tokens faded below the window's 8 (ln 1.5 / 0.01: about 40 steps)
+    assert steps > 30 and policy.past_proposed < config.window * config.num_draft_tokens
 
 
 def test_policy_batch_gate_from_the_measured_cost():
@@ -372,4 +376,4 @@ def test_policy_batch_gate_from_the_measured_cost():
     assert ask(policy, n=8) == [0] * 8
     for i in range(1, 8):  # seven of them finish
         policy.release(f"r{i}")
-    assert ask(policy, n=1) == [4]
+    assert ask(policy, n=1) == [1]  # the slow start's probe

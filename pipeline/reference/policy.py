@@ -39,6 +39,12 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   does not adapt K: an answer's opening words ("Here is the rewritten text:") rarely copy the prompt, so with 8
   requests in flight that one step's misses switched prompt lookup off for good on prompts whose answers then
   accepted 56% (make bench-engine's 8 in flight, docs/benchmarks.md);
+- slow start: where a draft token has a cost, a chain draft goes one position past the last one the pool has had a
+  draft token accepted through (`reached_positions`): a new pool probes with one draft token. Under the early stop's
+  model a rejection at the first position is the same evidence at K=1 as at K, so a probe stands for the draft of K it
+  cut, at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
+  3.5-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). A paying draft grows a position with every
+  position it is accepted through (4 steps to K=4 at alpha 0.7);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
@@ -67,6 +73,9 @@ from pipeline.sequences import next_draft_len
 
 # The early switch-off's risk of stopping a draft that would have paid (see PolicyProposer.hopeless)
 EARLY_STOP_RISK = 0.05
+# Slow start: accepted draft tokens (pooled, fading) a draft position needs before drafts go one position further, where
+# draft tokens have a cost (PolicyProposer.reached_positions)
+REACH_EVIDENCE = 0.5
 # Draft tokens a draft position needs (pooled, fading like the finished requests' evidence) before its acceptance can
 # end drafts there (PolicyProposer.useful_positions)
 POSITION_EVIDENCE = 16
@@ -150,6 +159,7 @@ class _RequestPolicy:
     positions_checked: int = 0
     positions_accepted: int = 0
     chain_lengths: Counter = field(default_factory=Counter)
+    probe_for: int = 0  # its draft this step was cut by the slow start from this length (0: not cut)
 
 
 class PolicyProposer:
@@ -242,6 +252,20 @@ class PolicyProposer:
                 return i
         return len(self.position_proposed)
 
+    def reached_positions(self, batch_size: int) -> int:
+        """Slow start: where a draft token has a cost at this batch size, a chain draft goes one position past the
+        last one through which the pool has accepted a draft token (REACH_EVIDENCE, fading: a position no draft has
+        reached for a while is probed again). A new pool drafts one token: a rejection at the first position is the
+        same evidence at K=1 as at K (the early stop counts the step as the draft it cut), for one draft token and
+        one verify row instead of K, and a paying draft grows by a position with every position it gets accepted
+        through. Free draft tokens (a GPU) draft K from the start."""
+        if self.config.break_even(batch_size) == 0:
+            return len(self.position_accepted)
+        for i in range(1, len(self.position_accepted)):
+            if self.position_accepted[i - 1] < REACH_EVIDENCE:
+                return i
+        return len(self.position_accepted)
+
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
@@ -254,7 +278,12 @@ class PolicyProposer:
         limit = self.step_limit(len(self.requests))
         if limit == 0 and not self.needs_hidden_states:
             return [Draft(token_ids=[]) for _ in inputs]  # nobody drafts, and the proposer has nothing to follow
-        limited = [replace(inp, num_tokens=self.draft_len(inp, limit)) for inp in inputs]
+        reach = self.reached_positions(len(self.requests))
+        limited = []
+        for inp in inputs:
+            state, k = self.requests[inp.request_id], self.draft_len(inp, limit)
+            state.probe_for = k if state.chain and k > reach else 0
+            limited.append(replace(inp, num_tokens=min(k, reach) if state.chain else k))
         drafts = self.inner.propose(limited)
         for inp, draft in zip(limited, drafts):
             self.requests[inp.request_id].chain = draft.parents is None
@@ -275,7 +304,7 @@ class PolicyProposer:
         if state.chain:
             state.positions_checked += num_accepted + (num_accepted < num_proposed)
             state.positions_accepted += num_accepted
-            state.chain_lengths[num_proposed] += 1
+            state.chain_lengths[max(num_proposed, state.probe_for)] += 1  # a probe stands for the draft it cut
             for i in range(min(num_proposed, len(self.position_proposed))):
                 self.position_proposed[i] += 1
                 self.position_accepted[i] += i < num_accepted
