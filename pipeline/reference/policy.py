@@ -39,12 +39,13 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   does not adapt K: an answer's opening words ("Here is the rewritten text:") rarely copy the prompt, so with 8
   requests in flight that one step's misses switched prompt lookup off for good on prompts whose answers then
   accepted 56% (make bench-engine's 8 in flight, docs/benchmarks.md);
-- slow start: where a draft token has a cost, a chain draft goes one position past the last one the pool has had a
-  draft token accepted through (`reached_positions`): a new pool probes with one draft token. Under the early stop's
-  model a rejection at the first position is the same evidence at K=1 as at K, so a probe stands for the draft of K it
-  cut, at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
-  3.5-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). A paying draft grows a position with every
-  position it is accepted through (K=4 after a median 3 steps at alpha 0.9, 6 at 0.7, simulated);
+- slow start: where a draft token has a cost, a pool that has not yet had a draft token accepted (REACH_EVIDENCE in
+  the fading first-position evidence) drafts one token per chain (`slow_start_limit`). Under the early stop's model a
+  rejection at the first position is the same evidence at K=1 as at K, so such a probe stands for the draft of K it cut,
+  at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
+  3.5-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). The first accepted token lifts the limit
+  (growing one position per position accepted through held decent drafts below the K the break-even was measured at,
+  whose higher acceptance there then cleared that K's bar: the trained pair at K=4 switched off 2-3 steps later);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
@@ -73,8 +74,7 @@ from pipeline.sequences import next_draft_len
 
 # The early switch-off's risk of stopping a draft that would have paid (see PolicyProposer.hopeless)
 EARLY_STOP_RISK = 0.05
-# Slow start: accepted draft tokens (pooled, fading) a draft position needs before drafts go one position further, where
-# draft tokens have a cost (PolicyProposer.reached_positions)
+# Slow start: accepted first-position draft tokens (pooled, fading) that end it (PolicyProposer.slow_start_limit)
 REACH_EVIDENCE = 0.5
 # Draft tokens a draft position needs (pooled, fading like the finished requests' evidence) before its acceptance can
 # end drafts there (PolicyProposer.useful_positions)
@@ -252,18 +252,12 @@ class PolicyProposer:
                 return i
         return len(self.position_proposed)
 
-    def reached_positions(self, batch_size: int) -> int:
-        """Slow start: where a draft token has a cost at this batch size, a chain draft goes one position past the
-        last one through which the pool has accepted a draft token (REACH_EVIDENCE, fading: a position no draft has
-        reached for a while is probed again). A new pool drafts one token: a rejection at the first position is the
-        same evidence at K=1 as at K (the early stop counts the step as the draft it cut), for one draft token and
-        one verify row instead of K, and a paying draft grows by a position with every position it gets accepted
-        through. Free draft tokens (a GPU) draft K from the start."""
-        if self.config.break_even(batch_size) == 0:
-            return len(self.position_accepted)
-        for i in range(1, len(self.position_accepted)):
-            if self.position_accepted[i - 1] < REACH_EVIDENCE:
-                return i
+    def slow_start_limit(self, batch_size: int) -> int:
+        """The most draft tokens a chain may have under the slow start (see the module docstring): 1 where a draft token
+        has a cost at this batch size and the pool has not had one accepted (lately: the evidence fades, so a pool that
+        switched a draft off probes it again with one token), else no limit."""
+        if self.config.break_even(batch_size) > 0 and self.position_accepted[0] < REACH_EVIDENCE:
+            return 1
         return len(self.position_accepted)
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
@@ -278,7 +272,7 @@ class PolicyProposer:
         limit = self.step_limit(len(self.requests))
         if limit == 0 and not self.needs_hidden_states:
             return [Draft(token_ids=[]) for _ in inputs]  # nobody drafts, and the proposer has nothing to follow
-        reach = self.reached_positions(len(self.requests))
+        reach = self.slow_start_limit(len(self.requests))
         limited = []
         for inp in inputs:
             state, k = self.requests[inp.request_id], self.draft_len(inp, limit)
