@@ -20,7 +20,7 @@ from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.fixtures.models import make_random_eagle3
 from pipeline.fixtures.toymodels import make_derived_pair
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
-from pipeline.reference.step_cost import WARMUP_STEPS, draft_token_cost, in_engine_draft_token_cost
+from pipeline.reference.step_cost import STEPS_PER_RUN, WARMUP_STEPS, draft_token_cost, in_engine_draft_token_cost
 from pipeline.apps.bench_engine import UnsharedDrafts
 
 MAX_NEW = 12
@@ -239,21 +239,24 @@ def test_draft_token_cost_is_measured_per_draft_token(derived_pair):
 
 
 def test_in_engine_draft_token_cost_times_speculative_steps_of_every_request(derived_pair):
-    """The proposer drafts K tokens for each of the batch's requests on every timed step; nobody finishes early."""
+    """The proposer drafts K tokens for each prompt's request on every timed step, after every prompt; nobody finishes
+    early."""
     target_dir, draft_dir = derived_pair
     target = LlamaModel.from_hf(target_dir)
     k, batch, context, repeats = 3, 2, 40, 4
     proposer = DraftModelProposer(LlamaModel.from_hf(draft_dir), max_batch_size=batch,
-                                  max_seq_len=context + (repeats + WARMUP_STEPS) * (k + 1) + k + 1)
+                                  max_seq_len=context + (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (k + 1) + k + 1)
     asked = []
     propose = proposer.propose
     proposer.propose = lambda inputs: asked.append([i.num_tokens for i in inputs]) or propose(inputs)
-    cost = in_engine_draft_token_cost(target, proposer, k, batch=batch, context=context, repeats=repeats)
+    prompts = torch.randint(target.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).tolist()
+    cost = in_engine_draft_token_cost(target, proposer, k, prompts, repeats=repeats)
     assert 0.0 <= cost < float("inf")
-    assert asked[-repeats:] == [[k] * batch] * repeats
-    assert all(len(seq.cached) >= context for seq in proposer.sequences.values()) and len(proposer.sequences) == batch
-    with pytest.raises(ValueError, match="batch must be >= 1"):
-        in_engine_draft_token_cost(target, proposer, k, batch=0)
+    assert asked[-repeats * STEPS_PER_RUN:] == [[k] * batch] * (repeats * STEPS_PER_RUN)
+    assert all(seq.cached[:context] == prompt for seq, prompt in zip(proposer.sequences.values(), prompts))
+    assert len(proposer.sequences) == batch
+    with pytest.raises(ValueError, match="prompts is empty"):
+        in_engine_draft_token_cost(target, proposer, k, [])
 
 
 def next_token_law(model: LlamaModel, context: list[int], temperature: float) -> torch.Tensor:

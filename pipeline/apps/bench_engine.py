@@ -254,8 +254,10 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
     trained = pair.draft is not None and pair.name.startswith("trained")
     # break-even acceptance per K: ((1, at batch 1), (BATCH, with BATCH in flight))
-    costs = ({k: tuple((b, in_engine_draft_token_cost(target, DraftModelProposer(draft, max_batch_size=b, max_seq_len=512),
-                                                    k, batch=b)) for b in (1, BATCH)) for k in ks} if trained else {})
+    # (on the runs' own prompts: the first prompt alone, the 8 together)
+    costs = ({k: tuple((len(on), in_engine_draft_token_cost(target, DraftModelProposer(draft, max_batch_size=len(on),
+                                                                                       max_seq_len=512), k, on))
+                       for on in (pair.prompts[:1], batch8)) for k in ks} if trained else {})
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))

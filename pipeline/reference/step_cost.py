@@ -31,6 +31,8 @@ from pipeline.reference.proposers import Proposer
 
 # Engine steps before in_engine_draft_token_cost times any (the prompts' prefill, then warm-up)
 WARMUP_STEPS = 3
+# Steps of one engine in a row in each of in_engine_draft_token_cost's rounds; the first of them is not timed
+STEPS_PER_RUN = 4
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
 
@@ -73,36 +75,45 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch
     return max(statistics.median(costs), 0.0)
 
 
-def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, batch: int = 1, context: int = 256,
-                               repeats: int = 20) -> float:
+def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, prompts: list[list[int]],
+                               repeats: int = 8) -> float:
     """Cost of one draft token of a proposer that runs inside the engine (a draft model, EAGLE, Medusa), as a fraction
-    of a plain step, timed through engine steps: (speculative step - plain step) / (K * plain step).
+    of a plain step, timed through engine steps on the traffic's own prompts: (speculative step - plain step) / (K *
+    plain step).
 
-    Two LLMEngines over `target` each run `batch` requests of `context` prompt tokens (seeded random ids), one
-    plainly and one with `proposer` drafting K tokens every step; once every prompt is in and both have warmed up, each
-    of `repeats` rounds times one plain step, then one speculative step: the median of the rounds' costs, in wall
-    time. What forwards timed back to back leave out is in: the engine's own work on a speculative step (verify
-    plan, acceptance, KV bookkeeping) and the target and draft evicting each other's weights from the caches (the
-    trained pair's 1-layer draft, untrained, timed 0.36-0.48 of a step here where back-to-back forwards and proposes
-    timed 0.10-0.34: docs/benchmarks.md). proposer: fresh, and sized for `batch` requests of `context` +
-    (repeats + WARMUP_STEPS) * (K + 1) tokens. Clipped at 0.
+    Two LLMEngines over `target` each run one request per prompt, one plainly and one with `proposer` drafting K
+    tokens every step; once every prompt is in and both have warmed up, each of `repeats` rounds runs STEPS_PER_RUN
+    plain steps, then as many speculative steps, and compares the median step of each run but its first (which finds
+    the caches as the other engine left them): the median of the rounds' costs, in wall time. Timing one step of each
+    in turn charged both with the other's evictions: the trained pair's 8 requests at 64 tokens of context cost 0.63
+    a draft token that way, 0.83 in runs of 4 (docs/benchmarks.md). What forwards timed back to back leave
+    out is in: the engine's own work on a speculative step (verify plan, acceptance, KV bookkeeping) and the target and
+    draft evicting each other's weights from the caches (the trained pair's 1-layer draft, untrained, timed 0.36-0.48
+    of a step here where back-to-back forwards and proposes timed 0.10-0.34: docs/benchmarks.md). The prompts set the
+    context, and with it attention's share of a plain step: 8 requests of the trained pair cost 0.83 a draft token at
+    64 tokens of random ids, 0.50-0.57 at 256, and 0.87 in whole runs of make bench-engine's prompts. proposer: fresh,
+    and sized for len(prompts) requests of the longest prompt + (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (K + 1)
+    tokens. Clipped at 0.
     """
     from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 
-    _check(k, batch)
-    new_tokens = (repeats + WARMUP_STEPS) * (k + 1)  # a step adds at most K + 1 tokens: nobody finishes
-    config = EngineConfig(max_batch_size=batch, max_draft_len=k, max_input_len=context,
-                          max_seq_len=context + new_tokens + k + 1)
-    ids = torch.randint(target.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    if not prompts:
+        raise ValueError("prompts is empty: give the traffic's prompts, one request each")
+    _check(k, len(prompts))
+    new_tokens = (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (k + 1)  # a step adds at most K + 1 tokens: nobody finishes
+    longest = max(len(p) for p in prompts)
+    config = EngineConfig(max_batch_size=len(prompts), max_draft_len=k, max_input_len=longest,
+                          max_seq_len=longest + new_tokens + k + 1)
     plain, speculative = LLMEngine(target, config), LLMEngine(target, config, proposer)
     for engine in (plain, speculative):
-        for i, prompt in enumerate(ids.tolist()):
-            engine.add_request(Request(f"cost{i}", prompt, new_tokens))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(Request(f"cost{i}", list(prompt), new_tokens))
         for _ in range(WARMUP_STEPS):  # the first runs every prompt (the draft's at its first propose)
             engine.step()
     costs = []
     for _ in range(repeats):
-        step, speculative_step = _seconds(plain.step), _seconds(speculative.step)  # this round's, back to back
+        step, speculative_step = (statistics.median([_seconds(engine.step) for _ in range(STEPS_PER_RUN)][1:])
+                                  for engine in (plain, speculative))
         costs.append((speculative_step - step) / (k * step))
     return max(statistics.median(costs), 0.0)
 
