@@ -113,11 +113,14 @@ class PolicyConfig:
     min_acceptance_rate: float = 0.1  # pooled acceptance below this stops speculation (0: never)
     window: int = 8  # the switch-off decides once the running requests proposed window * num_draft_tokens
     # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
-    # batch), ...), in any order, measured by step_cost.draft_token_cost; linear between points, the nearest
+    # batch), ...), in any order (kept sorted by batch), measured by step_cost.draft_token_cost; linear between points, the nearest
     # point beyond them; () = free (a GPU). The switch-off uses the larger of this and min_acceptance_rate.
     draft_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
+
+    def __post_init__(self):
+        object.__setattr__(self, "draft_token_costs", tuple(sorted(self.draft_token_costs)))  # by batch size
 
     @classmethod
     def from_spec(cls, speculative, adaptive: bool = False,
@@ -131,7 +134,7 @@ class PolicyConfig:
 
     def break_even(self, batch_size: int) -> float:
         """The acceptance a draft token must reach to pay at this running batch size (0 when unmeasured)."""
-        points = sorted(self.draft_token_costs)
+        points = self.draft_token_costs
         if not points:
             return 0.0
         for (b0, c0), (b1, c1) in zip(points, points[1:]):
@@ -180,8 +183,11 @@ class PolicyProposer:
 
     def _state(self, request_id: str) -> _RequestPolicy:
         """What the policy remembers about this request (a new request starts at K)."""
-        cfg = self.config
-        return self.requests.setdefault(request_id, _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens)))
+        state = self.requests.get(request_id)
+        if state is None:
+            cfg = self.config
+            state = self.requests[request_id] = _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens))
+        return state
 
     def step_limit(self, batch_size: int) -> int:
         """The most draft tokens any request may draft this step at this running batch size, decided once for the
