@@ -113,8 +113,9 @@ class PolicyConfig:
     min_acceptance_rate: float = 0.1  # pooled acceptance below this stops speculation (0: never)
     window: int = 8  # the switch-off decides once the running requests proposed window * num_draft_tokens
     # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
-    # batch), ...), in any order (kept sorted by batch), measured by step_cost.draft_token_cost; linear between points, the nearest
-    # point beyond them; () = free (a GPU). The switch-off uses the larger of this and min_acceptance_rate.
+    # batch), ...), in any order (kept sorted by batch), measured by pipeline.reference.step_cost; linear between
+    # points, the nearest point beyond them; () = free (a GPU). The switch-off uses the larger of this and
+    # min_acceptance_rate.
     draft_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
@@ -278,12 +279,12 @@ class PolicyProposer:
         limit = self.step_limit(len(self.requests))
         if limit == 0 and not self.needs_hidden_states:
             return [Draft(token_ids=[]) for _ in inputs]  # nobody drafts, and the proposer has nothing to follow
-        reach = self.slow_start_limit(len(self.requests))
+        slow_start = self.slow_start_limit(len(self.requests))
         limited = []
         for inp in inputs:
             state, k = self.requests[inp.request_id], self.draft_len(inp, limit)
-            state.probe_for = k if state.chain and k > reach else 0
-            limited.append(replace(inp, num_tokens=min(k, reach) if state.chain else k))
+            state.probe_for = k if state.chain and k > slow_start else 0
+            limited.append(replace(inp, num_tokens=min(k, slow_start) if state.chain else k))
         drafts = self.inner.propose(limited)
         for inp, draft in zip(limited, drafts):
             self.requests[inp.request_id].chain = draft.parents is None

@@ -84,16 +84,15 @@ def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, p
     Two LLMEngines over `target` each run one request per prompt, one plainly and one with `proposer` drafting K
     tokens every step; once every prompt is in and both have warmed up, each of `repeats` rounds runs STEPS_PER_RUN
     plain steps, then as many speculative steps, and compares the median step of each run but its first (which finds
-    the caches as the other engine left them): the median of the rounds' costs, in wall time. Timing one step of each
-    in turn charged both with the other's evictions: the trained pair's 8 requests at 64 tokens of context cost 0.63
-    a draft token that way, 0.83 in runs of 4 (docs/benchmarks.md). What forwards timed back to back leave
-    out is in: the engine's own work on a speculative step (verify plan, acceptance, KV bookkeeping) and the target and
-    draft evicting each other's weights from the caches (the trained pair's 1-layer draft, untrained, timed 0.36-0.48
-    of a step here where back-to-back forwards and proposes timed 0.10-0.34: docs/benchmarks.md). The prompts set the
-    context, and with it attention's share of a plain step: 8 requests of the trained pair cost 0.83 a draft token at
-    64 tokens of random ids, 0.50-0.57 at 256, and 0.87 in whole runs of make bench-engine's prompts. proposer: fresh,
-    and sized for len(prompts) requests of the longest prompt + (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (K + 1)
-    tokens. Clipped at 0.
+    the caches as the other engine left them): the median of the rounds' costs, in wall time. What forwards timed back
+    to back leave out is in: the engine's own work on a speculative step (verify plan, acceptance, KV bookkeeping) and
+    the target and draft evicting each other's weights from the caches (the trained pair's 1-layer draft, untrained,
+    timed 0.36-0.48 of a step here where back-to-back forwards and proposes timed 0.10-0.34). The trained pair's 8
+    requests cost 0.87 a draft token in whole runs of make bench-engine's prompts; 256 tokens of random ids, one step
+    of each engine in turn, timed 0.46-0.52: the context sets attention's share of a plain step (0.63 at 64 tokens in
+    turn), and steps in turn charge both engines with the other's evictions (0.83 at 64 tokens in runs of 4;
+    docs/benchmarks.md). proposer: fresh, and sized for len(prompts) requests of the longest prompt + (repeats *
+    STEPS_PER_RUN + WARMUP_STEPS) * (K + 1) tokens. Clipped at 0.
     """
     from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 
