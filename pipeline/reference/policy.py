@@ -43,7 +43,7 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   the fading first-position evidence) drafts one token per chain (`slow_start_limit`). Under the early stop's model a
   rejection at the first position is the same evidence at K=1 as at K, so such a probe stands for the draft of K it cut,
   at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
-  3.5-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). The first accepted token lifts the limit
+  3.2-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). The first accepted token lifts the limit
   (growing one position per position accepted through held decent drafts below the K the break-even was measured at,
   whose higher acceptance there then cleared that K's bar: the trained pair at K=4 switched off 2-3 steps later);
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
