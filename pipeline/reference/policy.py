@@ -197,12 +197,13 @@ class PolicyProposer:
             return 0
         return self.useful_positions(batch_size)
 
-    def draft_len(self, inp: ProposalInput, limit: int) -> int:
-        """K for this request this step (0 = decode plainly), at most the step's `limit` (`step_limit`)."""
+    def draft_len(self, state: _RequestPolicy, inp: ProposalInput, limit: int) -> int:
+        """K for this request (`state`: what the policy remembers of it) this step (0 = decode plainly), at most the
+        step's `limit` (`step_limit`)."""
         if limit == 0:
             return 0
         cfg = self.config
-        k = min(self.requests[inp.request_id].draft_len, inp.num_tokens, limit)
+        k = min(state.draft_len, inp.num_tokens, limit)
         if inp.max_new_tokens is not None:
             if inp.max_new_tokens < cfg.min_new_tokens_for_speculation:
                 return 0
@@ -274,20 +275,21 @@ class PolicyProposer:
         self.past_proposed *= PAST_EVIDENCE_DECAY
         self.position_proposed = [x * PAST_EVIDENCE_DECAY for x in self.position_proposed]
         self.position_accepted = [x * PAST_EVIDENCE_DECAY for x in self.position_accepted]
-        for inp in inputs:
-            self._state(inp.request_id).answer_started = inp.num_generated > 0
+        states = [self._state(inp.request_id) for inp in inputs]
+        for state, inp in zip(states, inputs):
+            state.answer_started = inp.num_generated > 0
         limit = self.step_limit(len(self.requests))
         if limit == 0 and not self.needs_hidden_states:
             return [Draft(token_ids=[]) for _ in inputs]  # nobody drafts, and the proposer has nothing to follow
         slow_start = self.slow_start_limit(len(self.requests))
         limited = []
-        for inp in inputs:
-            state, k = self.requests[inp.request_id], self.draft_len(inp, limit)
+        for state, inp in zip(states, inputs):
+            k = self.draft_len(state, inp, limit)
             state.probe_for = k if state.chain and k > slow_start else 0
             limited.append(replace(inp, num_tokens=min(k, slow_start) if state.chain else k))
         drafts = self.inner.propose(limited)
-        for inp, draft in zip(limited, drafts):
-            self.requests[inp.request_id].chain = draft.parents is None
+        for state, draft in zip(states, drafts):
+            state.chain = draft.parents is None
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
