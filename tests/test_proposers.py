@@ -282,8 +282,44 @@ def test_policy_break_even_follows_the_running_batch_size():
     config = PolicyConfig(draft_token_costs=((8, 0.6), (1, 0.2)))  # measured points, in any order
     assert [round(config.break_even(b), 3) for b in (1, 2, 8, 16)] == [0.2, round(0.2 + 0.4 / 7, 3), 0.6, 0.6]
     assert PolicyConfig().break_even(8) == 0.0  # unmeasured: free
-    assert PolicyConfig(min_acceptance_rate=0.1, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.3
-    assert PolicyConfig(min_acceptance_rate=0.0, draft_token_costs=((1, 0.3),)).switch_off_below(1) == 0.0  # off
+    linear = PolicyConfig(min_acceptance_rate=0.1, draft_token_costs=((1, 0.3),))
+    assert linear.step_costs(1) == (0.0, 0.3)  # no one-token costs: K times a draft token's
+    assert linear.tokens_needed(1, steps=10, draft_tokens=40) == pytest.approx(12)  # 0.3 of each draft token
+    assert PolicyConfig(min_acceptance_rate=0.5, draft_token_costs=((1, 0.3),)).tokens_needed(1, 10, 40) == 20
+    assert PolicyConfig(min_acceptance_rate=0.0, draft_token_costs=((1, 0.3),)).tokens_needed(1, 10, 40) == 0  # off
+
+
+def test_policy_step_costs_are_affine_through_the_costs_at_k_and_at_one():
+    """Drafts of 4 cost 0.4 of a step a token (1.6 a step), drafts of 1 cost 0.85: a step costs 0.6 plus 0.25 a token,
+    per batch size; where a token of K costs as much as a draft of 1 (or more) the model stays linear."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, draft_token_costs=((1, 0.4), (8, 0.7)),
+                          one_token_costs=((8, 1.0), (1, 0.85)))
+    fixed, per_token = config.step_costs(1)
+    assert (round(fixed, 6), round(per_token, 6)) == (0.6, 0.25)
+    assert fixed + 4 * per_token == pytest.approx(4 * 0.4) and fixed + per_token == pytest.approx(0.85)
+    assert config.tokens_needed(1, steps=10, draft_tokens=20) == pytest.approx(10 * 0.6 + 20 * 0.25)
+    fixed, per_token = config.step_costs(8)  # 2.8 a step at K=4, 1.0 at 1
+    assert (round(fixed, 6), round(per_token, 6)) == (0.4, 0.6)
+    assert PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.4),), one_token_costs=((1, 0.3),)).step_costs(1) == (0.0, 0.4)
+    assert PolicyConfig(num_draft_tokens=1, draft_token_costs=((1, 0.4),), one_token_costs=((1, 0.9),)).step_costs(1) == (0.0, 0.4)
+
+
+def test_policy_switches_off_short_drafts_that_pay_per_token_but_not_per_step():
+    """A proposer that finds one token a step (prompt lookup often finds fewer than K), accepted 60% of the time, at K=4
+    where a draft token of 4 costs 0.4 of a step: priced at 0.4 a token it pays and goes on; where a draft of one token
+    was measured at 0.85 of a step it does not, and the policy stops it."""
+    def run(one_token_costs):
+        config = PolicyConfig(num_draft_tokens=4, max_draft_tokens=4, min_acceptance_rate=0.1, window=4,
+                              draft_token_costs=((1, 0.4),), one_token_costs=one_token_costs)
+        policy = PolicyProposer(FixedProposer(), config)
+        for step in range(40):
+            if ask(policy) == [0]:
+                return step
+            policy.update("r0", int(step % 5 < 3), 1)  # 3 of every 5 accepted
+        return None
+
+    assert run(()) is None
+    assert run(((1, 0.85),)) is not None
 
 
 def test_policy_pools_the_running_requests_evidence_with_many_in_flight():

@@ -3,8 +3,9 @@
 One run measures, for every pair, at batch 1 and with 8 concurrent requests, 128 new tokens each:
 our plain decoding, our speculative decoding per K (policy wrapper on: switch-off below
 min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
-cost-aware switch-off (PolicyConfig.draft_token_costs, measured per K at batch 1 and with 8 in
-flight through engine steps by pipeline.reference.step_cost: the break-even acceptance) and, with 8 in flight, drafts made one
+cost-aware switch-off (PolicyConfig.draft_token_costs and one_token_costs, measured per K and at K=1, at batch 1 and
+with 8 in flight, through engine steps by pipeline.reference.step_cost: the break-even acceptance, and a step's fixed
+cost) and, with 8 in flight, drafts made one
 request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
 assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth, read right
@@ -209,14 +210,17 @@ class UnsharedDrafts:
 
 
 def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None, shared: bool = True,
-                 draft_token_costs: tuple[tuple[int, float], ...] = ()) -> PolicyProposer:
+                 draft_token_costs: tuple[tuple[int, float], ...] = (),
+                 one_token_costs: tuple[tuple[int, float], ...] = ()) -> PolicyProposer:
     """The pair's proposer at fixed K inside the policy wrapper (spec defaults: switch-off below 10 %).
 
     shared=False: a draft model runs one forward per request and draft position (UnsharedDrafts).
-    draft_token_costs: the cost-aware switch-off ((batch, break-even) points, see PolicyConfig).
+    draft_token_costs, one_token_costs: the cost-aware switch-off ((batch, cost of a draft token) points at K and at
+    K=1, see PolicyConfig).
     """
     inner = NgramProposer(1, 3) if pair.draft is None else DraftModelProposer(draft_model, max_batch_size=BATCH, max_seq_len=1400)
-    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, draft_token_costs=draft_token_costs)
+    config = PolicyConfig(num_draft_tokens=k, max_draft_tokens=k, draft_token_costs=draft_token_costs,
+                          one_token_costs=one_token_costs)
     return PolicyProposer(inner if shared else UnsharedDrafts(inner), config)
 
 
@@ -253,11 +257,11 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         return tps, cpu_tps, stats.summary()
 
     trained = pair.draft is not None and pair.name.startswith("trained")
-    # break-even acceptance per K: ((1, at batch 1), (BATCH, with BATCH in flight))
-    # (on the runs' own prompts: the first prompt alone, the 8 together)
+    # a draft token's cost per K (and at K=1, for the step's fixed part): ((1, at batch 1), (BATCH, with BATCH in
+    # flight)), on the runs' own prompts: the first prompt alone, the 8 together
     costs = ({k: tuple((len(on), in_engine_draft_token_cost(target, DraftModelProposer(draft, max_batch_size=len(on),
                                                                                        max_seq_len=512), k, on))
-                       for on in (pair.prompts[:1], batch8)) for k in ks} if trained else {})
+                       for on in (pair.prompts[:1], batch8)) for k in sorted({1, *ks})} if trained else {})
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))
@@ -265,7 +269,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
             jobs.append(("ngram" if pair.draft is None else "draft", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft)))
             if trained:
                 jobs.append(("draft cost-aware", batch, k, prompts,
-                             lambda k=k: proposer_for(pair, k, draft, draft_token_costs=costs[k])))
+                             lambda k=k: proposer_for(pair, k, draft, draft_token_costs=costs[k],
+                                                      one_token_costs=costs[1])))
             if trained and batch > 1:
                 # the "shared draft step" question: the same drafts, one draft forward per request instead of per batch
                 jobs.append(("draft-unshared", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft, shared=False)))
@@ -280,7 +285,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
                      "cpu_speedup_vs_our_plain": round(paired_speedup(runs_cpu, plain_cpu)[0], 3),
                      **{key: spec[key] for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_forward",
                                                    "acceptance_by_position")},
-                     **({"draft_token_cost": round(dict(costs[k])[batch], 3)} if k in costs else {})})
+                     **({"draft_token_cost": round(dict(costs[k])[batch], 3),
+                         "one_token_cost": round(dict(costs[1])[batch], 3)} if k in costs else {})})
     hf_target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=TORCH_DTYPES[dtype]).eval()
     hf_target.generation_config.eos_token_id = None  # always NEW_TOKENS tokens, like our runs
     rows.append({"pair": pair.name, "engine": "transformers", "method": "generate", "batch": 1, "k": 0,
@@ -431,18 +437,22 @@ def render_markdown(result: dict) -> str:
              f"plain run): {bandwidths}. "
              f"Command: `{result['command']}`", "",
              "| pair | engine | method | batch | K | best tok/s | vs our plain (rounds) | CPU-time tok/s | vs plain (CPU time) | acceptance | "
-             "by position | break-even | accepted/step | tokens/forward |",
+             "by position | break-even (a draft of 1) | accepted/step | tokens/forward |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def spread(r):  # the rounds' range of a paired speedup, where there were several rounds
         low, high = r.get("speedup_range", (0, 0))
         return f" ({low:.2f}-{high:.2f})" if low != high else ""
+
+    def one_token_cost(r):  # the cost of a draft of one token, where it was measured
+        return f" ({r['one_token_cost']:.2f})" if "one_token_cost" in r else ""
 
     for r in result["rows"]:
         fmt = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
         lines.append(f"| {r['pair']} | {r['engine']} | {r['method']} | {r['batch']} | {r['k'] or '-'} | {r['tok_s']:.1f} | "
                      f"{r['speedup_vs_our_plain']:.2f}{spread(r)} | {fmt('cpu_tok_s')} | {fmt('cpu_speedup_vs_our_plain')} | {fmt('acceptance_rate')} | "
                      f"{' / '.join(f'{a:.2f}' for a in r.get('acceptance_by_position') or []) or '-'} | "
-                     f"{fmt('draft_token_cost')} | {fmt('mean_accepted_length')} | "
+                     f"{fmt('draft_token_cost')}{one_token_cost(r)} | "
+                     f"{fmt('mean_accepted_length')} | "
                      f"{fmt('tokens_per_forward')} |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {'yes' if ok else 'no' if ok is not None else '-'} |" for g, m, ok in result["goals"]]

@@ -6,11 +6,11 @@ Speculation only pays when enough draft tokens are accepted and the target has s
 - switch-off: requests decode plainly while the evidence says their draft tokens do not pay:
   their acceptance so far (all their steps: a sliding window switched decent drafts off after a
   chance run of rejections) is below the switch-off bar. The bar is the larger of
-  `min_acceptance_rate` (0 turns the switch-off off) and the break-even acceptance at the running
-  batch size: what one draft token (its verify row and its share of the draft forwards) costs a
-  step, as a fraction of a plain step of that batch (`draft_token_costs`, measured by
-  pipeline.reference.step_cost: about 0.2-0.3 at batch 1 and 0.45-0.7 with 8 in flight on these
-  CPUs, 0 on a GPU);
+  `min_acceptance_rate` of their draft tokens (0 turns the switch-off off) and what their steps cost at the
+  running batch size, in plain steps of that batch (`PolicyConfig.tokens_needed`): a draft of k tokens per request
+  costs a fixed part (the draft's and the verify's calls, the verify's second row) plus a part per token
+  (`step_costs`, from `draft_token_costs` at K and `one_token_costs` at 1, measured by pipeline.reference.step_cost:
+  a draft token of K about 0.2-0.4 of a step at batch 1 and 0.45-0.8 with 8 in flight on these CPUs, 0 on a GPU);
 - the running requests decide as one: a step's draft forward and verify forward are shared by
   every request in it, and the break-even is measured with all of them speculating, so the
   evidence is the running requests' pooled acceptance, and nothing is decided before they have
@@ -117,11 +117,15 @@ class PolicyConfig:
     # points, the nearest point beyond them; () = free (a GPU). The switch-off uses the larger of this and
     # min_acceptance_rate.
     draft_token_costs: tuple[tuple[int, float], ...] = ()
+    # the same for drafts of one token per request (measured at K=1), in the same form; with it a speculative step
+    # costs a fixed part plus a part per draft token (`step_costs`), without it K times the cost per draft token
+    one_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
 
     def __post_init__(self):
-        object.__setattr__(self, "draft_token_costs", tuple(sorted(self.draft_token_costs)))  # by batch size
+        for name in ("draft_token_costs", "one_token_costs"):
+            object.__setattr__(self, name, tuple(sorted(getattr(self, name))))  # by batch size
 
     @classmethod
     def from_spec(cls, speculative, adaptive: bool = False,
@@ -134,19 +138,44 @@ class PolicyConfig:
                    min_new_tokens_for_speculation=speculative.min_new_tokens_for_speculation)
 
     def break_even(self, batch_size: int) -> float:
-        """The acceptance a draft token must reach to pay at this running batch size (0 when unmeasured)."""
-        points = self.draft_token_costs
-        if not points:
-            return 0.0
-        for (b0, c0), (b1, c1) in zip(points, points[1:]):
-            if batch_size <= b1:
-                return c0 if batch_size <= b0 else c0 + (c1 - c0) * (batch_size - b0) / (b1 - b0)
-        return points[-1][1]
+        """The acceptance a draft token must reach to pay at this running batch size with drafts of K (0 when
+        unmeasured): below it no draft length pays, since the fixed part of a step's cost (`step_costs`) weighs most
+        on short drafts."""
+        return _at_batch(self.draft_token_costs, batch_size)
 
-    def switch_off_below(self, batch_size: int) -> float:
-        """The switch-off bar at this batch size: min_acceptance_rate, or the break-even when that is higher
-        (min_acceptance_rate 0: none, the switch-off is off)."""
-        return max(self.min_acceptance_rate, self.break_even(batch_size)) if self.min_acceptance_rate > 0 else 0.0
+    def step_costs(self, batch_size: int) -> tuple[float, float]:
+        """(fixed, per_token): a speculative step whose requests draft k >= 1 tokens each costs fixed + per_token * k
+        plain steps of this batch more than a plain step, through the measured costs at K and at 1 (`one_token_costs`;
+        without them (0, break_even)). The trained pair's draft at batch 1 (make bench-engine's; scratch costk.py,
+        2026-12-04) cost 0.8-0.9 of a step at k=1, 0.95 at 2, 1.3-1.4 at 3 and 1.4-1.7 at 4: the draft's and the
+        verify's calls and the verify's second row cost most of a step, each further token 0.1-0.4. A linear model
+        through K's cost (0.36-0.43 a token) priced a draft cut to 2 tokens at 0.8 instead of 0.95-1.1 and kept it."""
+        k, at_k = self.num_draft_tokens, self.break_even(batch_size)
+        at_one = _at_batch(self.one_token_costs, batch_size)
+        if k <= 1 or at_one <= at_k:
+            return 0.0, at_k
+        per_token = max((k * at_k - at_one) / (k - 1), 0.0)
+        return k * (at_k - per_token), per_token
+
+    def tokens_needed(self, batch_size: int, steps: float, draft_tokens: float) -> float:
+        """The accepted tokens that `steps` speculative steps with `draft_tokens` draft tokens between them must bring
+        to pay at this batch size: their cost in plain steps (`step_costs`), or min_acceptance_rate of their draft
+        tokens when that is more (min_acceptance_rate 0: none, the switch-off is off)."""
+        if self.min_acceptance_rate <= 0:
+            return 0.0
+        fixed, per_token = self.step_costs(batch_size)
+        return max(self.min_acceptance_rate * draft_tokens, fixed * steps + per_token * draft_tokens)
+
+
+def _at_batch(points: tuple[tuple[int, float], ...], batch_size: int) -> float:
+    """The cost at this batch size from measured (batch, cost) points sorted by batch: linear between points, the
+    nearest point beyond them; 0 without points."""
+    if not points:
+        return 0.0
+    for (b0, c0), (b1, c1) in zip(points, points[1:]):
+        if batch_size <= b1:
+            return c0 if batch_size <= b0 else c0 + (c1 - c0) * (batch_size - b0) / (b1 - b0)
+    return points[-1][1]
 
 
 @dataclass
@@ -156,6 +185,7 @@ class _RequestPolicy:
     draft_len: int
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
+    steps: int = 0  # steps it drafted in so far
     answer_started: bool = False  # proposed for with generated tokens in its context (not its prompt's last step)
     chain: bool = True  # its last draft was a chain (a tree's nodes are not draft positions)
     # its chain steps' evidence for the early stop (PolicyProposer.hopeless): draft positions the target checked (a
@@ -175,12 +205,12 @@ class PolicyProposer:
         self.capture_layers = getattr(inner, "capture_layers", None)
         self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
-        self.past_accepted = self.past_proposed = 0.0  # finished requests' evidence, fading (see `pays`)
+        self.past_accepted = self.past_proposed = self.past_steps = 0.0  # finished requests' evidence, fading (`pays`)
         # per draft position i: draft tokens proposed there, and accepted through there (the pool's, fading)
         self.position_proposed = [0.0] * config.max_draft_tokens
         self.position_accepted = [0.0] * config.max_draft_tokens
         self.evidence_version = 0  # counts changes of the running requests' evidence (update, release)
-        self._hopeless_verdict: tuple[tuple[int, float] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
+        self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
 
     def _state(self, request_id: str) -> _RequestPolicy:
         """What the policy remembers about this request (a new request starts at K)."""
@@ -211,28 +241,30 @@ class PolicyProposer:
         return max(k, 0)
 
     def pays(self, batch_size: int) -> bool:
-        """Whether the running requests' evidence so far clears the switch-off bar at this batch size."""
+        """Whether the running requests' evidence so far clears the switch-off bar at this batch size: their accepted
+        tokens cover what their steps cost (`PolicyConfig.tokens_needed`)."""
         cfg = self.config
-        bar = cfg.switch_off_below(batch_size)
-        if bar >= 1:
+        if cfg.min_acceptance_rate > 0 and cfg.break_even(batch_size) >= 1:
             return False  # a draft token costs a whole step: no acceptance pays
         # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence;
         # finished requests' evidence fills what the running ones lack of the window
         window = cfg.window * cfg.num_draft_tokens
-        proposed = sum(r.proposed for r in self.requests.values())
-        accepted = sum(r.accepted for r in self.requests.values())
+        running = self.requests.values()
+        proposed, accepted, steps = (sum(r.proposed for r in running), sum(r.accepted for r in running),
+                                     sum(r.steps for r in running))
         if proposed < window and self.past_proposed > 0:
             share = min(1.0, (window - proposed) / self.past_proposed)
             proposed, accepted = proposed + share * self.past_proposed, accepted + share * self.past_accepted
+            steps += share * self.past_steps
         if proposed >= window - 1e-9:
-            return accepted >= bar * proposed
-        return not self.hopeless(bar)  # before the window is full: stop only a draft that cannot pay
+            return accepted >= cfg.tokens_needed(batch_size, steps, proposed)
+        return not self.hopeless(batch_size)  # before the window is full: stop only a draft that cannot pay
 
-    def hopeless(self, bar: float) -> bool:
-        """Whether the running requests' chain drafts so far rule out an acceptance of `bar` at EARLY_STOP_RISK (see
+    def hopeless(self, batch_size: int) -> bool:
+        """Whether the running requests' chain drafts so far rule out paying at this batch size at EARLY_STOP_RISK (see
         the module docstring): with alpha the 95% upper bound on a checked position's acceptance, the steps' expected
-        accepted tokens sum(alpha^i, i <= k), over their draft tokens, are below the bar."""
-        key = (self.evidence_version, bar)
+        accepted tokens sum(alpha^i, i <= k) are below what the steps need (`PolicyConfig.tokens_needed`)."""
+        key = (self.evidence_version, batch_size)
         if self._hopeless_verdict[0] != key:  # a switched-off batch asks every step; its evidence no longer changes
             running = self.requests.values()
             checked = sum(r.positions_checked for r in running)
@@ -243,18 +275,19 @@ class PolicyProposer:
                 for r in running:
                     lengths.update(r.chain_lengths)
                 expected = sum(n * sum(alpha ** i for i in range(1, k + 1)) for k, n in lengths.items())
-                verdict = expected < bar * sum(n * k for k, n in lengths.items())
+                verdict = expected < self.config.tokens_needed(batch_size, sum(lengths.values()),
+                                                               sum(n * k for k, n in lengths.items()))
             self._hopeless_verdict = (key, verdict)
         return self._hopeless_verdict[1]
 
     def useful_positions(self, batch_size: int) -> int:
         """How many leading draft positions pay at this batch size: a draft ends before the first position (after the
-        first) whose pooled acceptance through it is below the break-even, once that position has POSITION_EVIDENCE
-        draft tokens. Drafting position i brings a token with the probability that the drafts reaching it are accepted
-        through it, and costs one draft token: at 4 in flight on code prompts K=5 brought 1.42 tokens a step against
-        K=2's 1.35 while its verify cost 0.69 of a step against 0.84 (make bench, docs/benchmarks.md). The evidence
-        fades, so a position ruled out is tried again after some steps."""
-        cost = self.config.break_even(batch_size)
+        first) whose pooled acceptance through it is below what one more draft token costs (`step_costs`' per_token),
+        once that position has POSITION_EVIDENCE draft tokens. Drafting position i brings a token with the probability
+        that the drafts reaching it are accepted through it, and costs one draft token: at 4 in flight on code prompts
+        K=5 brought 1.42 tokens a step against K=2's 1.35 while its verify cost 0.69 of a step against 0.84 (make
+        bench, docs/benchmarks.md). The evidence fades, so a position ruled out is tried again after some steps."""
+        cost = self.config.step_costs(batch_size)[1]
         for i in range(1, len(self.position_proposed)):
             if self.position_proposed[i] >= POSITION_EVIDENCE and self.position_accepted[i] < cost * self.position_proposed[i]:
                 return i
@@ -273,6 +306,7 @@ class PolicyProposer:
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step)."""
         self.past_accepted *= PAST_EVIDENCE_DECAY
         self.past_proposed *= PAST_EVIDENCE_DECAY
+        self.past_steps *= PAST_EVIDENCE_DECAY
         self.position_proposed = [x * PAST_EVIDENCE_DECAY for x in self.position_proposed]
         self.position_accepted = [x * PAST_EVIDENCE_DECAY for x in self.position_accepted]
         states = [self._state(inp.request_id) for inp in inputs]
@@ -303,6 +337,7 @@ class PolicyProposer:
             state.draft_len = next_draft_len(state.draft_len, num_accepted, num_proposed, cfg.max_draft_tokens)
         state.accepted += num_accepted
         state.proposed += num_proposed
+        state.steps += 1
         self.evidence_version += 1
         if state.chain:
             state.positions_checked += num_accepted + (num_accepted < num_proposed)
@@ -319,4 +354,5 @@ class PolicyProposer:
             self.evidence_version += 1
             self.past_accepted += state.accepted
             self.past_proposed += state.proposed
+            self.past_steps += state.steps
         self.inner.release(request_id)
