@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from pipeline.repo.assemble import EngineInfo, assemble, engine_infos, repo_models, write_repo
+from pipeline.repo.assemble import DraftTokenCosts, EngineInfo, assemble, engine_infos, repo_models, write_repo
 from pipeline.repo.interface import MODEL_NAMES, contract, contract_interface
 from pipeline.repo.launch import ORCHESTRATOR_ENV, render_launch_script, tritonserver_args, write_launch_script
 from pipeline import stack
@@ -253,11 +253,12 @@ def test_bls_gets_the_draft_token_cost_measured_on_the_built_engines(tiny_spec_e
     plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
     costs = measured_draft_token_costs(plan, target, draft)
-    # the BLS drafts one request's rounds: batch 1 only; the tiny draft has a quarter of the target's layers
-    assert [b for b, _ in costs] == ([1] if measured else []) and all(c > 0 for _, c in costs)
+    # the BLS drafts one request's rounds: batch 1 only, at K; the tiny draft has a quarter of the target's layers
+    assert [b for b, _ in costs.at_k] == ([1] if measured else []) and all(c > 0 for _, c in costs.at_k)
+    assert costs.at_one == ()  # the BLS's switch-off prices a draft token alone
     bls = {m.name: m for m in repo_models(plan, target, draft, costs)}["tensorrt_llm_bls"]
     settings = BlsSettings.from_parameters(bls.parameters)
-    cost = costs[0][1] if costs else 0.0
+    cost = costs.at_k[0][1] if costs.at_k else 0.0
     assert settings.draft_token_cost == cost
     assert settings.switch_off_below == (max(floor, cost) if floor else 0.0)
 
@@ -274,12 +275,12 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
     memo_path = spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text())
     (key,) = [k for k in memo if f"K={spec.speculative.num_draft_tokens} batches=1 on " in k]
-    memo[key] = [[1, first[0][1] + 1.0]]  # what the file says is what the next assembly uses: nothing is measured again
+    memo[key] = [[[1, first.at_k[0][1] + 1.0]]]  # what the file says is what the next assembly uses: nothing is measured again
     memo_path.write_text(json.dumps(memo))
     try:
-        assert measured_draft_token_costs(plan, target, draft) == ((1, first[0][1] + 1.0),)
+        assert measured_draft_token_costs(plan, target, draft).at_k == ((1, first.at_k[0][1] + 1.0),)
     finally:
-        memo[key] = first
+        memo[key] = [first.at_k]
         memo_path.write_text(json.dumps(memo))
 
 
@@ -346,7 +347,8 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
 
 def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
     """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
-    batch size up to max_batch_for_speculation, and the engine's policy reads the curve from its config."""
+    batch size up to max_batch_for_speculation, in drafts of K and of one token, and the engine's policy reads both
+    curves from its config."""
     from pipeline.repo.assemble import measured_draft_token_costs
     from pipeline.serving.reference_adapter import lookup_proposer
     from pipeline.spec import NgramSpec
@@ -358,10 +360,13 @@ def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_
     plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
     target, _ = engine_infos(plan)
     costs = measured_draft_token_costs(plan, target, None)
-    assert [b for b, _ in costs] == [1, 2, 4] and all(c >= 0 for _, c in costs)
+    for curve in costs:
+        assert [b for b, _ in curve] == [1, 2, 4] and all(c >= 0 for _, c in curve)
     engine = {m.name: m for m in repo_models(plan, target, None, costs)}["tensorrt_llm"]
-    assert engine.parameters["draft_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs)
-    assert lookup_proposer(engine.parameters, target.max_draft_len).config.draft_token_costs == costs
+    assert engine.parameters["draft_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_k)
+    assert engine.parameters["one_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_one)
+    config = lookup_proposer(engine.parameters, target.max_draft_len).config
+    assert (config.draft_token_costs, config.one_token_costs) == costs
 
 
 @pytest.mark.parametrize("toolchain", ["reference", "trtllm"])
@@ -381,7 +386,8 @@ def test_prompt_lookup_runs_in_the_reference_engine_and_in_the_trtllm_bls(tiny_s
     plan = make_plan(spec, toolchain, inspection=tiny_spec_engines.plan.inspection)
     target, draft = engine_infos(plan)
     assert draft is None
-    models = {m.name: m for m in repo_models(plan, target, None, draft_token_costs=((1, 0.25), (4, 1.2)))}
+    costs = DraftTokenCosts(at_k=((1, 0.25), (4, 1.2)), at_one=((1, 0.5), (4, 1.3)))
+    models = {m.name: m for m in repo_models(plan, target, None, costs)}
     validate_repo(write_repo(list(models.values()), tmp_path / "model_repo"), spec, target, None)
     engine, settings = models["tensorrt_llm"], BlsSettings.from_parameters(models["tensorrt_llm_bls"].parameters)
     if toolchain == "reference":
@@ -391,7 +397,8 @@ def test_prompt_lookup_runs_in_the_reference_engine_and_in_the_trtllm_bls(tiny_s
         assert (proposer.inner.min_ngram, proposer.inner.max_ngram, proposer.inner.min_token_prob) == (1, 3, 0.4)
         assert proposer.config == PolicyConfig(num_draft_tokens=3, max_draft_tokens=target.max_draft_len, adaptive=True,
                                                min_acceptance_rate=spec.speculative.min_acceptance_rate,
-                                               draft_token_costs=((1, 0.25), (4, 1.2)), max_batch_for_speculation=4,
+                                               draft_token_costs=costs.at_k, one_token_costs=costs.at_one,
+                                               max_batch_for_speculation=4,
                                                min_new_tokens_for_speculation=0)
         assert settings.draft_token_cost == 0.25  # the BLS's own rounds: the cost at batch 1
     else:

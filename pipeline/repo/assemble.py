@@ -20,6 +20,7 @@ import shutil
 import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from pipeline.limits import EngineLimits
 from pipeline.modes import traits
@@ -78,6 +79,16 @@ def _ngram_params(ngram) -> dict[str, str]:
             "ngram_min_token_prob": str(ngram.min_token_prob)}
 
 
+class DraftTokenCosts(NamedTuple):
+    """What draft tokens cost a speculative step on the engines built here, per running batch size, in plain steps of
+    that batch (`measured_draft_token_costs`; () = free or not measured)."""
+
+    at_k: tuple[tuple[int, float], ...] = ()  # (batch, one draft token's cost in drafts of the spec's K): the break-even
+    # the same for drafts of one token, where the engine runs prompt lookup under pipeline.reference.policy: with at_k
+    # it gives a step's fixed cost and its cost per token (PolicyConfig.step_costs)
+    at_one: tuple[tuple[int, float], ...] = ()
+
+
 def _policy_params(s, draft_token_costs: tuple[tuple[int, float], ...]) -> dict[str, str]:
     """The speculation policy's settings (a `pipeline.spec.SpeculativeSpec`) for whichever model applies it."""
     return {"num_draft_tokens": str(s.num_draft_tokens), "min_acceptance_rate": str(s.min_acceptance_rate),
@@ -86,11 +97,11 @@ def _policy_params(s, draft_token_costs: tuple[tuple[int, float], ...]) -> dict[
 
 
 def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_fraction: float,
-                 draft_token_costs: tuple[tuple[int, float], ...] = ()) -> ModelConfigSpec:
+                 costs: DraftTokenCosts = DraftTokenCosts()) -> ModelConfigSpec:
     """tensorrt_llm or tensorrt_llm_draft: the tensorrtllm backend (trtllm) or the reference engine (python).
 
-    draft_token_costs: the break-even acceptance per running batch size measured on the engines
-    (`measured_draft_token_costs`), for the switch-off and batch gate of a target engine that runs prompt lookup.
+    costs: what draft tokens cost per running batch size, measured on the engines (`measured_draft_token_costs`), for
+    the switch-off and batch gate of a target engine that runs prompt lookup.
     """
     s = spec.speculative
     params = {
@@ -112,7 +123,8 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
             params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
     engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
     if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
-        params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, draft_token_costs))
+        params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, costs.at_k),
+                      one_token_cost=format_draft_token_costs(costs.at_one))
     if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
@@ -213,13 +225,14 @@ def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
 COST_BATCHES = (1, 2, 4, 8)
 
 
-def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> tuple[tuple[int, float], ...]:
+def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> DraftTokenCosts:
     """What one draft token costs a speculative step on the engines built here, as a fraction of a plain step, per
     running batch size (the switch-off's break-even, pipeline.reference.step_cost) at the spec's K: batch 1 for the
-    BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself. () where
-    the BLS makes no drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the
-    engines are built elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time
-    them).
+    BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself, and there
+    also in one-token drafts (at_one: a verify's second row costs more than its others: SmolLM2's int8 engine at
+    batch 1, 0.23-0.29 of a step for one token, 0.55 for 5, docs/benchmarks.md). Nothing where the BLS makes no
+    drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines are built
+    elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
     Measured here rather than at every model load: it costs seconds, a loaded server would time it
     against its own start-up, and the numbers stay visible in config.pbtxt. Kept in
@@ -230,42 +243,43 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     s = plan.spec.speculative
     if not (traits(s.mode).bls_drafts and s.num_draft_tokens > 0 and s.min_acceptance_rate > 0
             and toolchain_traits(plan.toolchain).engines_built_here):
-        return ()
+        return DraftTokenCosts()
     from pipeline.apps.host import cpu_summary
     from pipeline.reference import cpp_ops, decode_threads, fp16_weight_gemm, int8_grid_gemm, row_attention
     from pipeline.reference.step_cost import ENGINE_TIMING, engine_code_digest, engine_draft_token_costs
 
-    batches = ((1,) if not lookup_in_engine(s.mode, plan.toolchain)
-               else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1)))
+    in_engine = lookup_in_engine(s.mode, plan.toolchain)
+    batches = (1,) if not in_engine else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1))
+    ks = (s.num_draft_tokens, 1) if in_engine and s.num_draft_tokens > 1 else (s.num_draft_tokens,)
     switches = " ".join(f"{m.ENV}={int(m.switched_on())}" for m in (int8_grid_gemm, fp16_weight_gemm, row_attention))
     builds = [int8_grid_gemm.kernel(), row_attention.kernel()]  # which build of each kernel runs (AVX-512 or AVX2)
     switches += " builds " + ",".join(f"{isa.library}[{' '.join((*isa.flags, *cpp_ops.OPENMP))}]"
                                       for isa in builds if isa is not None)
     switches += (f" {decode_threads.ENV}={os.environ.get(decode_threads.ENV) or 'measured'}; timed {ENGINE_TIMING}"
                  f" by engine code {engine_code_digest()}")
-    key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={s.num_draft_tokens} "
+    key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={','.join(map(str, ks))} "
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
-    if key not in memo:
-        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None,
-                                             s.num_draft_tokens, batches)
+    if key not in memo:  # [[[batch, cost], ...] per K]
+        memo[key] = [engine_draft_token_costs(target.path, draft.path if draft is not None else None, k, batches)
+                     for k in ks]
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
-    return tuple((int(batch), float(cost)) for batch, cost in memo[key])
+    return DraftTokenCosts(*(tuple((int(batch), float(cost)) for batch, cost in at) for at in memo[key]))
 
 
 def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,
-                draft_token_costs: tuple[tuple[int, float], ...] = ()) -> list[ModelConfigSpec]:
-    """Every model config of the repository (draft_token_costs: see `measured_draft_token_costs`)."""
+                costs: DraftTokenCosts = DraftTokenCosts()) -> list[ModelConfigSpec]:
+    """Every model config of the repository (costs: see `measured_draft_token_costs`)."""
     spec, toolchain = plan.spec, plan.toolchain
     tokenizer_dir = spec.models.target.checkpoint  # the target's tokenizer, always
     kv = kv_fractions(plan)
     models = [text_model(spec, "preprocessing", tokenizer_dir), text_model(spec, "postprocessing", tokenizer_dir),
-              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"], draft_token_costs)]
+              engine_model(spec, toolchain, "tensorrt_llm", target, kv["target"], costs)]
     if draft is not None:
         models.append(engine_model(spec, toolchain, "tensorrt_llm_draft", draft, kv["draft"]))
-    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, draft_token_costs)
+    bls = bls_model(spec, toolchain, tokenizer_dir, target, draft is not None, costs.at_k)
     models += [bls, ensemble_model(bls)]
     return models
 

@@ -70,7 +70,8 @@ EXTENSIONS: dict[str, Interface] = {
     # input num_draft_tokens (0: plain decoding), which the BLS forwards.
     "tensorrt_llm": Interface(inputs=(ENGINE_DRAFT_LEN,), outputs=(), parameter_keys=frozenset({
         "eagle_dynamic_tree_top_k", "batch_invariant", "speculative_mode", "num_draft_tokens", "ngram_min", "ngram_max",
-        "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation"})),
+        "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "one_token_cost",
+        "max_batch_for_speculation"})),
 }
 # Inputs only an engine that runs prompt lookup itself reads (TensorRT-LLM's tensorrtllm backend has none of them).
 ENGINE_LOOKUP_INPUTS = frozenset({ENGINE_DRAFT_LEN.name})

@@ -112,9 +112,9 @@ def format_draft_token_costs(costs: tuple[tuple[int, float], ...]) -> str:
     return " ".join(f"{batch}:{cost}" for batch, cost in costs) or "0"
 
 
-def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
-    """((batch, cost), ...) from the draft_token_cost parameter: "batch:cost" pairs, or one number (the cost at
-    batch 1; 0 or empty: free, ())."""
+def parse_draft_token_costs(text: str, name: str = "draft_token_cost") -> tuple[tuple[int, float], ...]:
+    """((batch, cost), ...) from the draft_token_cost parameter (or another of its form, `name`): "batch:cost" pairs,
+    or one number (the cost at batch 1; 0 or empty: free, ())."""
     text = text.strip()
     try:
         if ":" not in text:
@@ -122,7 +122,7 @@ def parse_draft_token_costs(text: str) -> tuple[tuple[int, float], ...]:
         pairs = [pair.split(":") for pair in text.split()]
         return tuple((int(batch), float(cost)) for batch, cost in pairs)
     except ValueError:
-        raise ValueError(f"parameter draft_token_cost {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
+        raise ValueError(f"parameter {name} {text!r}: give 'batch:cost' pairs (e.g. '1:0.17 4:0.43') "
                          "or one cost for batch 1") from None
 
 

@@ -229,8 +229,9 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
     """Prompt lookup inside the engine (the tensorrt_llm parameters of pipeline.repo.assemble.engine_model where
     toolchains.lookup_in_engine), under the BLS's rules: drafts cut at ngram_min_token_prob, a draft length
     that adapts per request up to the request's num_draft_tokens, the switch-off bar (min_acceptance_rate, or
-    the measured draft_token_cost at the running batch size when higher) and the batch gate
-    (max_batch_for_speculation running requests, or a batch size where a draft token costs a whole step).
+    what the steps cost at the running batch size when higher: draft_token_cost, and one_token_cost for a step's
+    fixed part) and the batch gate (max_batch_for_speculation running requests, or a batch size where a draft token
+    costs a whole step).
     Short requests are the BLS's call (it sends num_draft_tokens 0), so the engine applies no length floor."""
     if max_draft_len < 1:
         raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; "
@@ -242,6 +243,7 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
         max_draft_tokens=max_draft_len, adaptive=True,
         min_acceptance_rate=float(parameters.get("min_acceptance_rate", 0.0)),
         draft_token_costs=parse_draft_token_costs(parameters.get("draft_token_cost") or ""),
+        one_token_costs=parse_draft_token_costs(parameters.get("one_token_cost") or "", "one_token_cost"),
         max_batch_for_speculation=int(parameters.get("max_batch_for_speculation", 1 << 30)),
         min_new_tokens_for_speculation=0))
 
