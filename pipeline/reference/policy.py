@@ -148,10 +148,10 @@ class PolicyConfig:
         plain steps of this batch more than a plain step, through the measured costs at K and at 1 (`one_token_costs`;
         without them (0, break_even)). The trained pair's draft at batch 1 (make bench-engine's; scratch costk.py,
         2026-12-04) cost 0.8-0.9 of a step at k=1, 0.95 at 2, 1.3-1.4 at 3 and 1.4-1.7 at 4: the draft's and the
-        verify's calls and the verify's second row cost most of a step, each further token 0.1-0.4; served prompt
-        lookup on SmolLM2's int8 engine at batch 1, 0.23-0.29 for one token and 0.55 for 5 (docs/benchmarks.md). A
-        linear model through K's cost (0.36-0.43 a token) priced the trained pair's drafts cut to 2 tokens at 0.8 of a
-        step instead of 0.95-1.1, and prompt lookup's one-token drafts at 0.11 instead of 0.23-0.29."""
+        verify's calls and the verify's second row cost most of a step, each further token 0.1-0.4. A linear model
+        through K's cost (0.36-0.43 a token) priced its one-token probes at 0.4 of a step and its drafts cut to 2
+        tokens at 0.8, instead of 0.8-0.9 and 0.95-1.1. Served prompt lookup on SmolLM2's int8 engine is nearly linear
+        in most runs (batch 1: 0.02-0.05 for one token, 0.16-0.24 for 5; docs/benchmarks.md)."""
         k, at_k = self.num_draft_tokens, self.break_even(batch_size)
         at_one = _at_batch(self.one_token_costs, batch_size)
         if k <= 1 or at_one <= at_k:

@@ -229,8 +229,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     """What one draft token costs a speculative step on the engines built here, as a fraction of a plain step, per
     running batch size (the switch-off's break-even, pipeline.reference.step_cost) at the spec's K: batch 1 for the
     BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself, and there
-    also in one-token drafts (at_one: a verify's second row costs more than its others: SmolLM2's int8 engine at
-    batch 1, 0.23-0.29 of a step for one token, 0.55 for 5, docs/benchmarks.md). Nothing where the BLS makes no
+    also in one-token drafts (at_one: where a step's fixed part, its calls and the verify's second row, is large,
+    short drafts cost more per token than K's; PolicyConfig.step_costs). Nothing where the BLS makes no
     drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines are built
     elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
