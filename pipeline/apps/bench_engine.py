@@ -5,8 +5,8 @@ our plain decoding, our speculative decoding per K (policy wrapper on: switch-of
 min_acceptance_rate), acceptance (overall and per draft position); for the trained pairs also the
 cost-aware switch-off (PolicyConfig.draft_token_costs and one_token_costs, measured per K and at K=1, at batch 1 and
 with 8 in flight, through engine steps by pipeline.reference.step_cost: the break-even acceptance, and a step's fixed
-cost) and, with 8 in flight, drafts made one
-request at a time (UnsharedDrafts) against the shared batched draft step; transformers' generate,
+cost) and, with 8 in flight, drafts made one request at a time (UnsharedDrafts) against the shared batched draft
+step; transformers' generate,
 assisted generation with a fixed K (assistant_model + num_assistant_tokens, schedule "constant") or prompt lookup
 (prompt_lookup_num_tokens) at batch 1; and the memory roofline (weight bytes / read bandwidth, read right
 before each round's plain batch-1 run: the plain decoding's share of it is the median over the rounds of each
