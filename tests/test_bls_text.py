@@ -88,3 +88,5 @@ def test_draft_token_cost_parameter_holds_costs_per_batch_size():
     assert BlsSettings.from_parameters({"tokenizer_dir": "", "draft_token_cost": "1:0.17 4:0.43"}).draft_token_cost == 0.17
     with pytest.raises(ValueError, match="draft_token_cost '1:x': give 'batch:cost' pairs"):
         parse_draft_token_costs("1:x")
+    with pytest.raises(ValueError, match="parameter one_token_cost '1:0.2 4': give 'batch:cost' pairs"):
+        parse_draft_token_costs("1:0.2 4", "one_token_cost")  # the same form, named as the config names it
