@@ -150,8 +150,9 @@ class PolicyConfig:
         2026-12-04) cost 0.8-0.9 of a step at k=1, 0.95 at 2, 1.3-1.4 at 3 and 1.4-1.7 at 4: the draft's and the
         verify's calls and the verify's second row cost most of a step, each further token 0.1-0.4. A linear model
         through K's cost (0.36-0.43 a token) priced its one-token probes at 0.4 of a step and its drafts cut to 2
-        tokens at 0.8, instead of 0.8-0.9 and 0.95-1.1. Served prompt lookup on SmolLM2's int8 engine is nearly linear
-        in most runs (batch 1: 0.02-0.05 for one token, 0.16-0.24 for 5; docs/benchmarks.md)."""
+        tokens at 0.8, instead of 0.8-0.9 and 0.95-1.1. Served prompt lookup on SmolLM2's int8 engine at batch 1 read
+        0.01-0.27 for one token and 0.14-0.56 for 5 in fresh processes, linear in some, affine in others
+        (docs/benchmarks.md)."""
         k, at_k = self.num_draft_tokens, self.break_even(batch_size)
         at_one = _at_batch(self.one_token_costs, batch_size)
         if k <= 1 or at_one <= at_k:
