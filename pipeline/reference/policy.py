@@ -147,10 +147,10 @@ class PolicyConfig:
         """(fixed, per_token): a speculative step whose requests draft k >= 1 tokens each costs fixed + per_token * k
         plain steps of this batch more than a plain step, through the measured costs at K and at 1 (`one_token_costs`;
         without them (0, break_even)). The trained pair's draft at batch 1 (make bench-engine's; scratch costk.py,
-        2026-12-04) cost 0.8-0.9 of a step at k=1, 0.95 at 2, 1.3-1.4 at 3 and 1.4-1.7 at 4: the draft's and the
-        verify's calls and the verify's second row cost most of a step, each further token 0.1-0.4. A linear model
-        through K's cost (0.36-0.43 a token) priced its one-token probes at 0.4 of a step and its drafts cut to 2
-        tokens at 0.8, instead of 0.8-0.9 and 0.95-1.1. Served prompt lookup on SmolLM2's int8 engine at batch 1 read
+        2026-12-04, two runs) cost 0.80-0.94 of a step at k=1, 0.95-1.30 at 2, 1.26-1.67 at 3 and 1.44-2.00 at 4:
+        the draft's and the verify's calls and the verify's second row cost most of a step, each further token
+        0.1-0.4. A linear model through K's cost (0.36-0.50 a token) priced its one-token probes at 0.4-0.5 of a step
+        and its drafts cut to 2 tokens at 0.7-1.0, instead of 0.80-0.94 and 0.95-1.30. Served prompt lookup on SmolLM2's int8 engine at batch 1 read
         0.01-0.27 for one token and 0.14-0.56 for 5 in fresh processes, linear in some, affine in others
         (docs/benchmarks.md)."""
         k, at_k = self.num_draft_tokens, self.break_even(batch_size)
