@@ -112,10 +112,10 @@ class PolicyConfig:
     adaptive: bool = False  # adapt K per request from its acceptance
     min_acceptance_rate: float = 0.1  # pooled acceptance below this stops speculation (0: never)
     window: int = 8  # the switch-off decides once the running requests proposed window * num_draft_tokens
-    # break-even acceptance per running batch size: ((batch, cost of one draft token in plain steps of that
-    # batch), ...), in any order (kept sorted by batch), measured by pipeline.reference.step_cost; linear between
-    # points, the nearest point beyond them; () = free (a GPU). The switch-off uses the larger of this and
-    # min_acceptance_rate.
+    # break-even acceptance per running batch size: ((batch, cost of one draft token in drafts of K, in plain steps
+    # of that batch), ...), in any order (kept sorted by batch), measured by pipeline.reference.step_cost; linear
+    # between points, the nearest point beyond them; () = free (a GPU). The switch-off asks the accepted tokens to
+    # cover the steps' cost (`tokens_needed`) and min_acceptance_rate of the draft tokens.
     draft_token_costs: tuple[tuple[int, float], ...] = ()
     # the same for drafts of one token per request (measured at K=1), in the same form; with it a speculative step
     # costs a fixed part plus a part per draft token (`step_costs`), without it K times the cost per draft token
