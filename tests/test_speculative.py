@@ -232,10 +232,11 @@ def test_drafts_made_one_request_at_a_time_equal_the_shared_draft_step(derived_p
 def test_draft_token_cost_is_measured_per_draft_token(derived_pair):
     target_dir, draft_dir = derived_pair
     target, draft = LlamaModel.from_hf(target_dir), LlamaModel.from_hf(draft_dir)
-    for cost in (draft_token_cost(target, draft, 2, context=64, repeats=2), draft_token_cost(target, None, 2, context=64, repeats=2)):
-        assert 0.0 <= cost < float("inf")
+    for costs in (draft_token_cost(target, draft, (2, 1), context=64, repeats=2),
+                  draft_token_cost(target, None, (2, 1), context=64, repeats=2)):
+        assert len(costs) == 2 and all(0.0 <= cost < float("inf") for cost in costs)  # one per K, in the given order
     with pytest.raises(ValueError, match="k must be >= 1"):
-        draft_token_cost(target, draft, 0)
+        draft_token_cost(target, draft, (2, 0))
 
 
 def test_in_engine_draft_token_cost_times_speculative_steps_of_every_request(derived_pair):

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"greedy answers of {args.engine} (max {args.max_tokens} tokens) ...", flush=True)
     answers = greedy_answers(args.engine, args.tokenizer, args.prompts.split(","), args.max_tokens)
-    ((_, cost),) = engine_draft_token_costs(args.engine, None, args.k)
+    (((_, cost),),) = engine_draft_token_costs(args.engine, None, (args.k,))
     print(f"measured cost of a draft token: {cost:.2f} plain steps (K={args.k}, batch 1)", flush=True)
     result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram,
                                         args.min_token_prob))

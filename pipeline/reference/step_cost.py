@@ -8,7 +8,9 @@ a request must keep (PolicyConfig.draft_token_costs). On a GPU c is near 0; on t
 row costs a large fraction of a step (docs/benchmarks.md), so a fixed 10 % threshold keeps drafts
 that lose. c depends on the running batch: with 8 requests a plain step already has 8 rows, and
 the 8 K verify rows and the batched draft forwards cost relatively more (or less) than at batch 1,
-so it is measured per batch size.
+so it is measured per batch size. A step is not quite linear in K: its calls and the verify's second row cost more
+than each further token, so the policy also takes the cost at K=1 and prices a step affinely
+(PolicyConfig.step_costs).
 Two timings, by where the drafting runs: engines served apart (a draft engine, prompt lookup in the BLS) by their
 forwards (`draft_token_cost`, what `pipeline repo` writes), a proposer inside the reference engine (make
 bench-engine's drafts) by engine steps (`in_engine_draft_token_cost`): forwards timed back to back left out a third
@@ -48,31 +50,35 @@ def engine_code_digest(root: Path = Path(__file__).parent) -> str:
     return digest.hexdigest()[:12]
 
 
-def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, k: int, batch: int = 1, context: int = 256,
-                     repeats: int = 20) -> float:
-    """Cost of one draft token as a fraction of a plain step, for engines served apart (a draft engine's forwards,
-    prompt lookup's verify rows): (verify(K + 1 rows) + K draft forwards - step) / (K * step).
+def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int, ...], batch: int = 1,
+                     context: int = 256, repeats: int = 20) -> tuple[float, ...]:
+    """Cost of one draft token as a fraction of a plain step at each K of `ks`, for engines served apart (a draft
+    engine's forwards, prompt lookup's verify rows): (verify(K + 1 rows) + K draft forwards - step) / (K * step).
 
     Measured with `batch` sequences of `context` cached tokens each (every forward runs all of them:
-    one row each for a plain step and a draft step, K + 1 rows each for the verify), the plain step, the verify
-    and the drafting interleaved in each of `repeats` rounds: the median over the rounds of each round's cost, in
-    wall time (what serving pays). A round's forwards run back to back, so a change in the machine's load between
-    rounds cancels out (CPU time would count both OpenMP threads' spinning; best rounds of separate forwards need not
-    meet: docs/benchmarks.md has the spread of each).
+    one row each for a plain step and a draft step, K + 1 rows each for the verify), the plain step and every K's
+    verify and drafting interleaved in each of `repeats` rounds: per K the median over the rounds of each round's
+    cost, in wall time (what serving pays). A round's forwards run back to back, so a change in the machine's load
+    between rounds cancels out, and the Ks are timed in the same rounds: SmolLM2's one-token draft cost 0.02 of a
+    step in one process and 0.19 in the next while 5 tokens cost 0.15 and 0.45 (the machine's state, which a cost
+    timed minutes apart in another process does not share; docs/benchmarks.md). CPU time would count both OpenMP
+    threads' spinning; best rounds of separate forwards need not meet (docs/benchmarks.md has the spread of each).
     draft: the draft engine's model (it decodes step by step: K one-row forwards); None: prompt lookup (no draft
     forwards). A proposer inside the engine is timed by `in_engine_draft_token_cost`. Clipped at 0 (noise can time
     K + 1 rows below one).
     """
-    _check(k, batch)
-    calls = [_forward_call(target, 1, batch, context), _forward_call(target, k + 1, batch, context)]
-    if draft is not None:
-        draft_step = _forward_call(draft, 1, batch, context)
-        calls.append(lambda: [draft_step() for _ in range(k)])
-    costs = []
+    for k in ks:
+        _check(k, batch)
+    step = _forward_call(target, 1, batch, context)
+    verifies = [_forward_call(target, k + 1, batch, context) for k in ks]
+    draft_step = _forward_call(draft, 1, batch, context) if draft is not None else None
+    costs = [[] for _ in ks]
     for _ in range(repeats):
-        step, verify, *drafting = (_seconds(call) for call in calls)  # this round's, back to back
-        costs.append((verify + sum(drafting) - step) / (k * step))
-    return max(statistics.median(costs), 0.0)
+        for k, verify, at_k in zip(ks, verifies, costs):  # this round's, back to back
+            plain = _seconds(step)
+            extra = _seconds(verify) + (_seconds(lambda: [draft_step() for _ in range(k)]) if draft_step else 0.0)
+            at_k.append((extra - plain) / (k * plain))
+    return tuple(max(statistics.median(at_k), 0.0) for at_k in costs)
 
 
 def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, prompts: list[list[int]],
@@ -143,12 +149,13 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, k: int,
-                             batches: tuple[int, ...] = (1,)) -> tuple[tuple[int, float], ...]:
-    """((batch, draft_token_cost), ...) of built engines (their qformats and kernels) at each running batch size,
-    rounded to 0.01: the switch-off's break-even and the batch gate (draft_token_cost parameter, written when the
-    repository is assembled). A draft token's cost grows with the batch where the verify's rows are compute-bound
-    (the AVX2 int8 GEMM: docs/benchmarks.md), so the engine's policy needs it per batch size.
+def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, ks: tuple[int, ...],
+                             batches: tuple[int, ...] = (1,)) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """Per K of `ks`, ((batch, draft_token_cost), ...) of built engines (their qformats and kernels) at each running
+    batch size, rounded to 0.01: the switch-off's break-even and the batch gate (draft_token_cost parameter, written
+    when the repository is assembled; and one_token_cost, at K=1). A draft token's cost grows with the batch where
+    the verify's rows are compute-bound (the AVX2 int8 GEMM: docs/benchmarks.md), so the engine's policy needs it per
+    batch size.
 
     Each model is timed as a served engine runs it: loaded by LLMEngine with batch-invariant math (the
     serving default), so with its compiled layers and its decode steps on the thread count the engine measured
@@ -162,4 +169,5 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
 
     target = served(target_dir)
     draft = served(draft_dir) if draft_dir is not None else None
-    return tuple((batch, round(draft_token_cost(target, draft, k, batch=batch), 2)) for batch in batches)
+    by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
+    return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))

@@ -262,8 +262,7 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:  # [[[batch, cost], ...] per K]
-        memo[key] = [engine_draft_token_costs(target.path, draft.path if draft is not None else None, k, batches)
-                     for k in ks]
+        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches)
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
     return DraftTokenCosts(*(tuple((int(batch), float(cost)) for batch, cost in at) for at in memo[key]))
