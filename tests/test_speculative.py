@@ -240,24 +240,31 @@ def test_draft_token_cost_is_measured_per_draft_token(derived_pair):
 
 
 def test_in_engine_draft_token_cost_times_speculative_steps_of_every_request(derived_pair):
-    """The proposer drafts K tokens for each prompt's request on every timed step, after every prompt; nobody finishes
-    early."""
+    """Each K's proposer drafts K tokens for each prompt's request on every timed step, after every prompt; nobody
+    finishes early; one cost per K, in the given order."""
     target_dir, draft_dir = derived_pair
     target = LlamaModel.from_hf(target_dir)
-    k, batch, context, repeats = 3, 2, 40, 4
-    proposer = DraftModelProposer(LlamaModel.from_hf(draft_dir), max_batch_size=batch,
-                                  max_seq_len=context + (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (k + 1) + k + 1)
-    asked = []
-    propose = proposer.propose
-    proposer.propose = lambda inputs: asked.append([i.num_tokens for i in inputs]) or propose(inputs)
+    ks, batch, context, repeats = (3, 1), 2, 40, 4
+    proposers = []
+
+    def make_proposer():
+        proposer = DraftModelProposer(LlamaModel.from_hf(draft_dir), max_batch_size=batch,
+                                      max_seq_len=context + (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (max(ks) + 1)
+                                      + max(ks) + 1)
+        proposer.asked, propose = [], proposer.propose
+        proposer.propose = lambda inputs: proposer.asked.append([i.num_tokens for i in inputs]) or propose(inputs)
+        proposers.append(proposer)
+        return proposer
+
     prompts = torch.randint(target.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).tolist()
-    cost = in_engine_draft_token_cost(target, proposer, k, prompts, repeats=repeats)
-    assert 0.0 <= cost < float("inf")
-    assert asked[-repeats * STEPS_PER_RUN:] == [[k] * batch] * (repeats * STEPS_PER_RUN)
-    assert all(seq.cached[:context] == prompt for seq, prompt in zip(proposer.sequences.values(), prompts))
-    assert len(proposer.sequences) == batch
+    costs = in_engine_draft_token_cost(target, make_proposer, ks, prompts, repeats=repeats)
+    assert len(costs) == len(ks) and all(0.0 <= cost < float("inf") for cost in costs)
+    for proposer, k in zip(proposers, ks):
+        assert proposer.asked[-repeats * STEPS_PER_RUN:] == [[k] * batch] * (repeats * STEPS_PER_RUN)
+        assert all(seq.cached[:context] == prompt for seq, prompt in zip(proposer.sequences.values(), prompts))
+        assert len(proposer.sequences) == batch
     with pytest.raises(ValueError, match="prompts is empty"):
-        in_engine_draft_token_cost(target, proposer, k, [])
+        in_engine_draft_token_cost(target, make_proposer, ks, [])
 
 
 def next_token_law(model: LlamaModel, context: list[int], temperature: float) -> torch.Tensor:

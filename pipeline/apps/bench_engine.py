@@ -257,11 +257,15 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
         return tps, cpu_tps, stats.summary()
 
     trained = pair.draft is not None and pair.name.startswith("trained")
-    # a draft token's cost per K (and at K=1, for the step's fixed part): ((1, at batch 1), (BATCH, with BATCH in
-    # flight)), on the runs' own prompts: the first prompt alone, the 8 together
-    costs = ({k: tuple((len(on), in_engine_draft_token_cost(target, DraftModelProposer(draft, max_batch_size=len(on),
-                                                                                       max_seq_len=512), k, on))
-                       for on in (pair.prompts[:1], batch8)) for k in sorted({1, *ks})} if trained else {})
+    costs = {}  # a draft token's cost per K (and at K=1, for the step's fixed part), timed in the same rounds:
+    # {K: ((1, at batch 1), (BATCH, with BATCH in flight))}, on the runs' own prompts: the first prompt alone, the 8
+    # together
+    if trained:
+        cost_ks = tuple(sorted({1, *ks}))
+        by_batch = [(len(on), in_engine_draft_token_cost(
+            target, lambda on=on: DraftModelProposer(draft, max_batch_size=len(on), max_seq_len=512), cost_ks, on))
+            for on in (pair.prompts[:1], batch8)]
+        costs = {k: tuple((batch, at[i]) for batch, at in by_batch) for i, k in enumerate(cost_ks)}
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))

@@ -81,46 +81,53 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int
     return tuple(max(statistics.median(at_k), 0.0) for at_k in costs)
 
 
-def in_engine_draft_token_cost(target: LlamaModel, proposer: Proposer, k: int, prompts: list[list[int]],
-                               repeats: int = 8) -> float:
+def in_engine_draft_token_cost(target: LlamaModel, make_proposer: Callable[[], Proposer], ks: tuple[int, ...],
+                               prompts: list[list[int]], repeats: int = 8) -> tuple[float, ...]:
     """Cost of one draft token of a proposer that runs inside the engine (a draft model, EAGLE, Medusa), as a fraction
-    of a plain step, timed through engine steps on the traffic's own prompts: (speculative step - plain step) / (K *
-    plain step).
+    of a plain step, at each K of `ks`, timed through engine steps on the traffic's own prompts: (speculative step -
+    plain step) / (K * plain step).
 
-    Two LLMEngines over `target` each run one request per prompt, one plainly and one with `proposer` drafting K
-    tokens every step; once every prompt is in and both have warmed up, each of `repeats` rounds runs STEPS_PER_RUN
-    plain steps, then as many speculative steps, and compares the median step of each run but its first (which finds
-    the caches as the other engine left them): the median of the rounds' costs, in wall time. What forwards timed back
-    to back leave out is in: the engine's own work on a speculative step (verify plan, acceptance, KV bookkeeping) and
-    the target and draft evicting each other's weights from the caches (the trained pair's 1-layer draft, untrained,
-    timed 0.36-0.48 of a step here where back-to-back forwards and proposes timed 0.10-0.34). The trained pair's 8
-    requests cost 0.87 a draft token in whole runs of make bench-engine's prompts; 256 tokens of random ids, one step
-    of each engine in turn, timed 0.46-0.52: the context sets attention's share of a plain step (0.63 at 64 tokens in
-    turn), and steps in turn charge both engines with the other's evictions (0.83 at 64 tokens in runs of 4;
-    docs/benchmarks.md). proposer: fresh, and sized for len(prompts) requests of the longest prompt + (repeats *
-    STEPS_PER_RUN + WARMUP_STEPS) * (K + 1) tokens. Clipped at 0.
+    LLMEngines over `target` each run one request per prompt: one plainly, and one per K with its own proposer
+    (`make_proposer()`) drafting K tokens every step; once every prompt is in and all have warmed up, each of `repeats`
+    rounds runs, for each K, STEPS_PER_RUN plain steps, then as many speculative steps of K, and compares the median
+    step of each run but its first (which finds the caches as the other engine left them): per K the median of the
+    rounds' costs, in wall time, the Ks timed in the same rounds (so in the same machine state: the costs at K and at 1
+    give a step's fixed part, PolicyConfig.step_costs). What forwards timed back to back leave out is in: the engine's
+    own work on a speculative step (verify plan, acceptance, KV bookkeeping) and the target and draft evicting each
+    other's weights from the caches (the trained pair's 1-layer draft, untrained, timed 0.36-0.48 of a step here where
+    back-to-back forwards and proposes timed 0.10-0.34). The trained pair's 8 requests cost 0.87 a draft token in whole
+    runs of make bench-engine's prompts; 256 tokens of random ids, one step of each engine in turn, timed 0.46-0.52:
+    the context sets attention's share of a plain step (0.63 at 64 tokens in turn), and steps in turn charge both
+    engines with the other's evictions (0.83 at 64 tokens in runs of 4; docs/benchmarks.md). make_proposer: a fresh
+    proposer sized for len(prompts) requests of the longest prompt + (repeats * STEPS_PER_RUN + WARMUP_STEPS) *
+    (max(ks) + 1) tokens. Clipped at 0.
     """
     from pipeline.reference.engine import EngineConfig, LLMEngine, Request
 
     if not prompts:
         raise ValueError("prompts is empty: give the traffic's prompts, one request each")
-    _check(k, len(prompts))
-    new_tokens = (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (k + 1)  # a step adds at most K + 1 tokens: nobody finishes
+    for k in ks:
+        _check(k, len(prompts))
+    # a speculative step adds at most K + 1 tokens, the plain engine's len(ks) <= max(ks) runs a round 1 each: nobody
+    # finishes
+    new_tokens = (repeats * STEPS_PER_RUN + WARMUP_STEPS) * (max(ks) + 1)
     longest = max(len(p) for p in prompts)
-    config = EngineConfig(max_batch_size=len(prompts), max_draft_len=k, max_input_len=longest,
-                          max_seq_len=longest + new_tokens + k + 1)
-    plain, speculative = LLMEngine(target, config), LLMEngine(target, config, proposer)
-    for engine in (plain, speculative):
+    config = EngineConfig(max_batch_size=len(prompts), max_draft_len=max(ks), max_input_len=longest,
+                          max_seq_len=longest + new_tokens + max(ks) + 1)
+    plain = LLMEngine(target, config)
+    speculative = [LLMEngine(target, config, make_proposer()) for _ in ks]
+    for engine, k in [(plain, 0), *zip(speculative, ks)]:
         for i, prompt in enumerate(prompts):
-            engine.add_request(Request(f"cost{i}", list(prompt), new_tokens))
+            engine.add_request(Request(f"cost{i}", list(prompt), new_tokens, num_draft_tokens=k))
         for _ in range(WARMUP_STEPS):  # the first runs every prompt (the draft's at its first propose)
             engine.step()
-    costs = []
+    costs = [[] for _ in ks]
     for _ in range(repeats):
-        step, speculative_step = (statistics.median([_seconds(engine.step) for _ in range(STEPS_PER_RUN)][1:])
-                                  for engine in (plain, speculative))
-        costs.append((speculative_step - step) / (k * step))
-    return max(statistics.median(costs), 0.0)
+        for k, engine, at_k in zip(ks, speculative, costs):
+            step, speculative_step = (statistics.median([_seconds(e.step) for _ in range(STEPS_PER_RUN)][1:])
+                                      for e in (plain, engine))
+            at_k.append((speculative_step - step) / (k * step))
+    return tuple(max(statistics.median(at_k), 0.0) for at_k in costs)
 
 
 def _check(k: int, batch: int) -> None:
