@@ -122,6 +122,9 @@ class PolicyConfig:
     one_token_costs: tuple[tuple[int, float], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
+    # batch size -> (break_even, fixed, per_token), filled as batch sizes are asked (`_costs`): a step asks for them
+    # up to 5 times
+    _costs_by_batch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("draft_token_costs", "one_token_costs"):
@@ -141,7 +144,7 @@ class PolicyConfig:
         """The acceptance a draft token must reach to pay at this running batch size with drafts of K (0 when
         unmeasured): below it no draft length pays, since the fixed part of a step's cost (`step_costs`) weighs most
         on short drafts."""
-        return _at_batch(self.draft_token_costs, batch_size)
+        return self._costs(batch_size)[0]
 
     def step_costs(self, batch_size: int) -> tuple[float, float]:
         """(fixed, per_token): a speculative step whose requests draft k >= 1 tokens each costs fixed + per_token * k
@@ -150,15 +153,24 @@ class PolicyConfig:
         2026-12-04, two runs) cost 0.80-0.94 of a step at k=1, 0.95-1.30 at 2, 1.26-1.67 at 3 and 1.44-2.00 at 4:
         the draft's and the verify's calls and the verify's second row cost most of a step, each further token
         0.1-0.4. A linear model through K's cost (0.36-0.50 a token) priced its one-token probes at 0.4-0.5 of a step
-        and its drafts cut to 2 tokens at 0.7-1.0, instead of 0.80-0.94 and 0.95-1.30. Served prompt lookup on SmolLM2's int8 engine at batch 1 read
-        0.01-0.27 for one token and 0.14-0.56 for 5 in fresh processes, linear in some, affine in others
-        (docs/benchmarks.md)."""
-        k, at_k = self.num_draft_tokens, self.break_even(batch_size)
-        at_one = _at_batch(self.one_token_costs, batch_size)
-        if k <= 1 or at_one <= at_k:
-            return 0.0, at_k
-        per_token = max((k * at_k - at_one) / (k - 1), 0.0)
-        return k * (at_k - per_token), per_token
+        and its drafts cut to 2 tokens at 0.7-1.0, instead of 0.80-0.94 and 0.95-1.30. Served prompt lookup on
+        SmolLM2's int8 engine at batch 1 read 0.01-0.27 for one token and 0.14-0.56 for 5 in fresh processes, linear
+        in some, affine in others (docs/benchmarks.md)."""
+        return self._costs(batch_size)[1:]
+
+    def _costs(self, batch_size: int) -> tuple[float, float, float]:
+        """(break_even, fixed, per_token) at this batch size, interpolated once per batch size."""
+        costs = self._costs_by_batch.get(batch_size)
+        if costs is None:
+            k, at_k = self.num_draft_tokens, _at_batch(self.draft_token_costs, batch_size)
+            at_one = _at_batch(self.one_token_costs, batch_size)
+            if k <= 1 or at_one <= at_k:
+                costs = (at_k, 0.0, at_k)
+            else:
+                per_token = max((k * at_k - at_one) / (k - 1), 0.0)
+                costs = (at_k, k * (at_k - per_token), per_token)
+            self._costs_by_batch[batch_size] = costs
+        return costs
 
     def tokens_needed(self, batch_size: int, steps: float, draft_tokens: float) -> float:
         """The accepted tokens that `steps` speculative steps with `draft_tokens` draft tokens between them must bring
