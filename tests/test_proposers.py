@@ -300,8 +300,9 @@ def test_policy_step_costs_are_affine_through_the_costs_at_k_and_at_one():
     assert config.tokens_needed(1, steps=10, draft_tokens=20) == pytest.approx(10 * 0.6 + 20 * 0.25)
     fixed, per_token = config.step_costs(8)  # 2.8 a step at K=4, 1.0 at 1
     assert (round(fixed, 6), round(per_token, 6)) == (0.4, 0.6)
-    assert PolicyConfig(num_draft_tokens=4, draft_token_costs=((1, 0.4),), one_token_costs=((1, 0.3),)).step_costs(1) == (0.0, 0.4)
-    assert PolicyConfig(num_draft_tokens=1, draft_token_costs=((1, 0.4),), one_token_costs=((1, 0.9),)).step_costs(1) == (0.0, 0.4)
+    for k, at_one in ((4, 0.3), (1, 0.9)):  # a draft of one cheaper than a token of 4; K=1 has no second point
+        linear = PolicyConfig(num_draft_tokens=k, draft_token_costs=((1, 0.4),), one_token_costs=((1, at_one),))
+        assert linear.step_costs(1) == (0.0, 0.4)
 
 
 def test_policy_switches_off_short_drafts_that_pay_per_token_but_not_per_step():
@@ -357,7 +358,8 @@ def test_policy_ends_drafts_at_the_first_position_that_does_not_pay_at_the_runni
     """A draft token costs 0.3 of a step with 4 in flight and nothing alone. Drafts of 4 whose first two tokens are
     always accepted and the last two never: with 4 in flight, after the slow start's probe and once positions 2 and 3
     have 16 draft tokens of evidence, drafts stop after 2 tokens (the pool's 52 % still pays, so speculation stays on);
-    a request alone drafts 4 again; the evidence fades, so with 4 in flight position 2 is tried again after some steps."""
+    a request alone drafts 4 again; the evidence fades, so with 4 in flight position 2 is tried again after some
+    steps."""
     config = PolicyConfig(num_draft_tokens=4, max_draft_tokens=4, min_acceptance_rate=0.1, window=2,
                           draft_token_costs=((1, 0.0), (4, 0.3)))
     policy = PolicyProposer(FixedProposer(), config)

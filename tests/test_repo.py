@@ -275,7 +275,7 @@ def test_draft_token_cost_is_measured_once_per_engine_pair(tiny_spec_engines):
     memo_path = spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text())
     (key,) = [k for k in memo if f"K={spec.speculative.num_draft_tokens} batches=1 on " in k]
-    memo[key] = [[[1, first.at_k[0][1] + 1.0]]]  # what the file says is what the next assembly uses: nothing is measured again
+    memo[key] = [[[1, first.at_k[0][1] + 1.0]]]  # what the file says the next assembly uses: nothing measured again
     memo_path.write_text(json.dumps(memo))
     try:
         assert measured_draft_token_costs(plan, target, draft).at_k == ((1, first.at_k[0][1] + 1.0),)

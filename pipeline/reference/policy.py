@@ -232,7 +232,8 @@ class PolicyProposer:
         state = self.requests.get(request_id)
         if state is None:
             cfg = self.config
-            state = self.requests[request_id] = _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens))
+            state = _RequestPolicy(draft_len=min(cfg.num_draft_tokens, cfg.max_draft_tokens))
+            self.requests[request_id] = state
         return state
 
     def step_limit(self, batch_size: int) -> int:

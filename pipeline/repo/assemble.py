@@ -83,7 +83,8 @@ class DraftTokenCosts(NamedTuple):
     """What draft tokens cost a speculative step on the engines built here, per running batch size, in plain steps of
     that batch (`measured_draft_token_costs`; () = free or not measured)."""
 
-    at_k: tuple[tuple[int, float], ...] = ()  # (batch, one draft token's cost in drafts of the spec's K): the break-even
+    # (batch, one draft token's cost in drafts of the spec's K), ...: the break-even
+    at_k: tuple[tuple[int, float], ...] = ()
     # the same for drafts of one token, where the engine runs prompt lookup under pipeline.reference.policy: with at_k
     # it gives a step's fixed cost and its cost per token (PolicyConfig.step_costs)
     at_one: tuple[tuple[int, float], ...] = ()
@@ -257,7 +258,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
                                       for isa in builds if isa is not None)
     switches += (f" {decode_threads.ENV}={os.environ.get(decode_threads.ENV) or 'measured'}; timed {ENGINE_TIMING}"
                  f" by engine code {engine_code_digest()}")
-    key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} K={','.join(map(str, ks))} "
+    key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} "
+           f"K={','.join(map(str, ks))} "
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
