@@ -21,6 +21,7 @@ import torch
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import decode_threads, fused_layers
+from pipeline.reference.greedy_tokens import greedy_tokens
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
 from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
@@ -131,7 +132,7 @@ class DraftModelProposer:
     def _pick(self, job: _Job, logits: torch.Tensor) -> None:
         """Append the next draft token from the draft logits [vocab]: argmax, or a sample of q with its q row."""
         if job.inp.temperature <= 0:
-            job.tokens.append(int(logits.argmax()))
+            job.tokens += greedy_tokens(logits[None])
             return
         q = probabilities(logits[None], SamplingParams(temperature=job.inp.temperature))[0]  # [vocab] q
         job.tokens.append(int(torch.multinomial(q, 1, generator=job.inp.generator)))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import EngineLimits
-from pipeline.reference import compiled, decode_threads, fused_layers
+from pipeline.reference import compiled, decode_threads, fused_layers, greedy_tokens
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
 from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -178,6 +178,7 @@ class LLMEngine:
         num_blocks = self.config.num_blocks or self.config.blocks_needed()
         self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.config.kv_cache_quant_algo)
         decode_threads.choose(model, self.kv)  # before any request: it times forwards on the first blocks
+        greedy_tokens.kernel()  # built (once per machine) or loaded now, not in a request's first step
         self.blocks = BlockManager(num_blocks, self.config.tokens_per_block)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []

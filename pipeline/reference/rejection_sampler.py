@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.reference.greedy_tokens import greedy_tokens
 from pipeline.reference.tree import chain_parents, node_depths, path_to
 
 
@@ -101,7 +102,7 @@ def verify(target_logits: torch.Tensor, drafts: list[DraftToVerify], target_prob
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, the drafts need {rows_needed} (N_i + 1 each)")
     if target_probs is None and not all(d.greedy for d in drafts):
         raise ValueError("target_probs is required when a request samples (temperature > 0)")
-    argmax = target_logits.argmax(dim=-1).tolist()  # [rows]: the target's greedy token at every row
+    argmax = greedy_tokens(target_logits)  # [rows]: the target's greedy token at every row
     verdicts, start = [], 0
     for draft in drafts:
         rows = len(draft.token_ids) + 1
