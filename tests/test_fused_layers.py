@@ -11,10 +11,11 @@ test_compiled.py checks the engine's greedy and speculative tokens with them on)
 import pytest
 import torch
 
-from pipeline.reference import compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
+from pipeline.reference import bf16_weight_gemm, compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import ONE_ROW_SPLIT_BYTES, DenseLinear, dense_linear_op, intra_op_threads
+from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, dense_linear_op,
+                                        intra_op_threads)
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
 from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
@@ -109,6 +110,24 @@ def test_greedy_chains_draft_what_forward_by_forward_drafting_drafts(tiny_llama)
         slots = [b * size + o for b in blocks for o in range(size)][:len(cached)]  # the cached tokens' KV
         torch.testing.assert_close(chained.kv.k[:, slots], looped.kv.k[:, slots], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(chained.kv.v[:, slots], looped.kv.v[:, slots], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(bf16_weight_gemm.kernel() is None, reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_draft_proposes_from_its_bf16_output_layer_and_a_target_keeps_float32(tiny_llama, chains):
+    """A model given to DraftModelProposer runs its output layer on the bf16 kernel (its logits only propose), in the
+    one-call chains and forward by forward alike; a model that is not a draft keeps DenseLinear. The draft's bf16
+    weights are swapped for ones that leave two tokens a logit each (opposite signs, the rest 0): every proposal is one
+    of the two, which the float32 weights would not give."""
+    target, draft = LlamaModel.from_hf(tiny_llama), LlamaModel.from_hf(tiny_llama)
+    proposer = DraftModelProposer(draft, max_batch_size=1, max_seq_len=128)
+    proposer.greedy_chains = chains
+    assert isinstance(draft.lm_head_linear, BFloat16Weights) and isinstance(target.lm_head_linear, DenseLinear)
+    two_tokens = torch.zeros_like(draft.lm_head)
+    two_tokens[5], two_tokens[9] = draft.lm_head[7], -draft.lm_head[7]
+    draft.lm_head_linear.kernel.packed = bf16_weight_gemm.pack(two_tokens)
+    tokens = proposer.propose([ProposalInput("r", list(range(3, 20)), 4)])[0].token_ids
+    assert len(tokens) == 4 and set(tokens) <= {5, 9}
 
 
 def test_sampled_requests_draft_beside_greedy_chains(tiny_llama):

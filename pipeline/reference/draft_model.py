@@ -23,6 +23,7 @@ from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import decode_threads, fused_layers
 from pipeline.reference.greedy_tokens import greedy_tokens
 from pipeline.reference.kv_cache import BlockManager, SequenceBlocks
+from pipeline.reference.linear import draft_output_layer
 from pipeline.reference.model import DECODE_ROWS, LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput
 from pipeline.reference.sampling import SamplingParams, probabilities
@@ -56,6 +57,7 @@ class DraftModelProposer:
     def __init__(self, model: LlamaModel, max_batch_size: int = 8, max_seq_len: int = 2048,
                  tokens_per_block: int = TOKENS_PER_BLOCK):
         self.model = model
+        model.lm_head_linear = draft_output_layer(model.lm_head_linear)  # bf16 where it runs: the logits only propose
         num_blocks = max_batch_size * -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size
         self.kv = model.new_kv_cache(num_blocks, tokens_per_block)
         if model.fused_layers is None:

@@ -30,7 +30,8 @@ import logging
 import torch
 
 from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
-from pipeline.reference.linear import ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, DenseLinear, Int8PerToken, intra_op_threads
+from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, BFloat16Weights, DenseLinear, Int8PerToken,
+                                        intra_op_threads)
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
 BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
@@ -68,10 +69,11 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
-        # greedy_chains' output layer: the model's DenseLinear, run as it runs (a biased or other output layer keeps
-        # the proposer's forward-by-forward loop)
+        # greedy_chains' output layer: the model's, run as it runs: a draft's BFloat16Weights (draft_output_layer) or a
+        # bias-free DenseLinear (a biased or other output layer keeps the proposer's forward-by-forward loop)
         head = model.lm_head_linear
-        self.lm_head = head if isinstance(head, DenseLinear) and head.bias is None else None
+        chainable = isinstance(head, BFloat16Weights) or isinstance(head, DenseLinear) and head.bias is None
+        self.lm_head = head if chainable else None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
         """x [T, hidden] (embeddings) through every layer and the final norm -> [T, hidden]; plan: a row attention
@@ -93,11 +95,13 @@ class FusedDenseLayers:
         tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.long)
         flat_feeds = torch.tensor([t for feed in feeds for t in feed], dtype=torch.long)
         feed_counts = torch.tensor([len(feed) for feed in feeds], dtype=torch.long)
-        packed = torch.empty(0) if head.packed is None else head.packed  # DenseLinear's oneDNN weight for 2-16 rows
+        bf16 = head.kernel.packed if isinstance(head, BFloat16Weights) else torch.empty(0)
+        packed = getattr(head, "packed", None)  # DenseLinear's oneDNN weight for 2-16 rows
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
                 flat_feeds, feed_counts, torch.tensor(cached, dtype=torch.long), torch.tensor(counts, dtype=torch.long),
-                tables, kv.block_size, m.embed, head.weight, packed, ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
+                tables, kv.block_size, m.embed, head.weight, bf16, torch.empty(0) if packed is None else packed,
+                ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
                 m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
                 m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES)  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]

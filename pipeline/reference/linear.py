@@ -212,6 +212,40 @@ class Float16Weights:
         return self.weight_nbytes + tensor_bytes([self.bias])
 
 
+class BFloat16Weights:
+    """A draft's output layer on the project's bf16 kernel: x and W rounded to bf16, float32 sums (`bf16_weight_gemm`,
+    CPUs with AVX512-BF16), float32 logits; each row's bits its own (batch-invariant).
+
+    A draft's logits only choose proposals the target verifies (greedy drafts) or the q they are sampled from, which
+    verification receives with them, so rounding changes which tokens it proposes, never what the target emits. The
+    trained pair's 1-layer, 128-wide draft spent about 160 us of a 450 us four-token chain in its float32 output
+    layer (4096 x 128, 2 MB read per draft token; docs/benchmarks.md); this one reads half the bytes.
+    """
+
+    batch_invariant = True
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [vocab, hidden] float32, as the chain op takes it (its row count); not read per call
+        self.kernel = bf16_weight_gemm.PackedBFloat16(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x.bfloat16())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads."""
+        return tensor_bytes([self.kernel.packed])
+
+
+def draft_output_layer(head):
+    """The output layer a draft runs: `BFloat16Weights` over a bias-free float32 `DenseLinear` head where the bf16
+    kernel runs (REFERENCE_BF16_KERNEL not 0), else `head` itself."""
+    if (isinstance(head, DenseLinear) and head.bias is None and head.weight.dtype == torch.float32
+            and bf16_weight_gemm.kernel() is not None):
+        return BFloat16Weights(head.weight)
+    return head
+
+
 # oneDNN's bf16 GEMM gives a row the same bits in calls of 1 to 32 rows, on 1 or 2 threads, whatever the packing
 # hint (measured with torch 2.13 on AMX); from 33 rows on it blocks differently, so longer calls run in chunks
 SCREEN_ROWS = 32

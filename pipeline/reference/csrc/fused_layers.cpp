@@ -196,12 +196,19 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
 }
 
 
-// The output layer x [R, hidden] -> logits [R, vocab] as DenseLinear runs it (pipeline/reference/linear.py): oneDNN's
-// GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows, else `linear` on
-// `weight` (MKL: the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in 162 ms on
-// at::linear against 94 forward by forward on oneDNN.
-at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed, int64_t min_rows,
-                        int64_t max_rows, int64_t split_min_bytes) {
+// The output layer x [R, hidden] -> logits [R, vocab] as the draft's Python output layer runs it
+// (pipeline/reference/linear.py): BFloat16Weights, the bf16 kernel on its packed weight (`bf16`, empty: none); else
+// DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows,
+// else `linear` on `weight` (MKL: the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer
+// draft proposed 4 tokens in 162 ms on at::linear against 94 forward by forward on oneDNN.
+at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bf16, const at::Tensor& packed,
+                        int64_t min_rows, int64_t max_rows, int64_t split_min_bytes) {
+  if (bf16.numel() > 0) {
+    static const c10::OperatorHandle gemm = find_op("specdeploy::bf16_weight_gemm");
+    std::vector<c10::IValue> stack{x.to(at::kBFloat16), bf16, weight.size(0)};
+    gemm.callBoxed(stack);
+    return stack[0].toTensor();
+  }
   if (packed.numel() == 0 || x.size(0) < min_rows || x.size(0) > max_rows)
     return linear(x, weight, std::nullopt, split_min_bytes);
   static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
@@ -221,7 +228,8 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
 // them is never read). -> drafts [B, max counts] int64, -1 past a request's count.
 at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tensor cached, at::Tensor counts,
                                at::Tensor block_tables, int64_t block_size, at::Tensor embed, at::Tensor lm_head,
-                               at::Tensor lm_head_packed, int64_t packed_min_rows, int64_t packed_max_rows,
+                               at::Tensor lm_head_bf16, at::Tensor lm_head_packed, int64_t packed_min_rows,
+                               int64_t packed_max_rows,
                                at::Tensor rope_cos, at::Tensor rope_signed_sin, std::vector<at::Tensor> weights,
                                at::Tensor k, at::Tensor v, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
                                double eps, double scale, std::string attention, int64_t split_min_bytes) {
@@ -274,8 +282,8 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
                                            longs(new_slots), longs(key_slots), longs(starts), longs(lengths),
                                            final_norm, heads, kv_heads, eps, scale, attention, split_min_bytes);  // [T, hidden]
     const at::Tensor rows = last_rows.size() == tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
-    const at::Tensor next = output_layer(rows, lm_head, lm_head_packed, packed_min_rows, packed_max_rows, split_min_bytes)
-                              .argmax(-1);
+    const at::Tensor next = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows, packed_max_rows,
+                                         split_min_bytes).argmax(-1);
     const int64_t* np = next.data_ptr<int64_t>();
     for (size_t i = 0; i < row_request.size(); ++i) dp[row_request[i] * longest + s] = np[i];
   }
@@ -419,8 +427,8 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "float eps, float scale, str attention, int split_min_bytes) -> Tensor", &dense_layers);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int split_min_bytes) -> Tensor", &dense_linear);
   m.def("dense_greedy_chains(Tensor feed, Tensor feed_counts, Tensor cached, Tensor counts, Tensor block_tables, "
-        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_packed, int packed_min_rows, int packed_max_rows, "
-        "Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, "
+        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, Tensor lm_head_packed, "
+        "int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, "
         "Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, float scale, str attention, "
         "int split_min_bytes) -> Tensor", &dense_greedy_chains);
   m.def("int8_sq_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
