@@ -5,7 +5,9 @@ brings every request up to date (the committed tokens its cache lacks, at least 
 yields its first draft token; each further forward adds one draft token per request still short. On fused
 layers (a dense float32 draft) the greedy requests' forwards run in one C++ call (`FusedDenseLayers.greedy_chains`:
 the same layers, output layer and argmax), as a forward's plan and calls from Python cost about as much as a
-small draft's arithmetic; a prompt-long feed runs its forward first on the prefill path.
+small draft's arithmetic; a prompt-long feed runs its forward first on the prefill path. The draft's output layer
+runs on the bf16 kernel where the CPU has one (`linear.draft_output_layer`: the proposer sets it on the model it is
+given): its logits only propose, and a float32 output layer was about a third of the trained draft's chain.
 The draft cache never needs an explicit rollback: it remembers which tokens its KV holds, and the
 next call keeps only the prefix that agrees with the committed tokens (rejected drafts fall away).
 Greedy requests get argmax drafts; sampled ones (temperature > 0) get tokens sampled from the
