@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from pipeline.reference import cpp_ops, int8_grid_gemm, row_attention
+from pipeline.reference import cpp_ops, greedy_tokens, int8_grid_gemm, row_attention
 from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, BFloat16Weights, DenseLinear, Int8PerToken,
                                         intra_op_threads)
 
@@ -103,7 +103,8 @@ class FusedDenseLayers:
                 tables, kv.block_size, m.embed, head.weight, bf16, torch.empty(0) if packed is None else packed,
                 ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
                 m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
-                m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES)  # [B, max(counts)]
+                m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,
+                "" if greedy_tokens.kernel() is None else "specdeploy::greedy_tokens")  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 
 

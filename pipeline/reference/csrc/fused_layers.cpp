@@ -225,15 +225,19 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
 // request's last row, and the argmax of those logits is its next draft token. From Python every draft forward paid
 // about 0.1 ms in its plan's index tensors and op calls around 0.12 ms of arithmetic (a 1-layer, 128-wide draft).
 // block_tables [B, blocks]: each request's cache blocks, enough for cached + feed + counts - 1 tokens (padding past
-// them is never read). -> drafts [B, max counts] int64, -1 past a request's count.
+// them is never read). greedy: the op that takes the logits' argmax (specdeploy::greedy_tokens, the same index as
+// at::argmax; empty: at::argmax). -> drafts [B, max counts] int64, -1 past a request's count.
 at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tensor cached, at::Tensor counts,
                                at::Tensor block_tables, int64_t block_size, at::Tensor embed, at::Tensor lm_head,
                                at::Tensor lm_head_bf16, at::Tensor lm_head_packed, int64_t packed_min_rows,
                                int64_t packed_max_rows,
                                at::Tensor rope_cos, at::Tensor rope_signed_sin, std::vector<at::Tensor> weights,
                                at::Tensor k, at::Tensor v, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
-                               double eps, double scale, std::string attention, int64_t split_min_bytes) {
+                               double eps, double scale, std::string attention, int64_t split_min_bytes,
+                               std::string greedy) {
   const int64_t B = counts.numel(), blocks = block_tables.size(1), positions = rope_cos.size(0);
+  std::optional<c10::TypedOperatorHandle<at::Tensor(at::Tensor)>> argmax_op;  // greedy's op (empty: at::argmax)
+  if (!greedy.empty()) argmax_op = find_op(greedy).typed<at::Tensor(at::Tensor)>();
   for (const at::Tensor* t : {&feed, &feed_counts, &cached, &counts, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "dense_greedy_chains: feed, feed_counts, cached, "
                 "counts and block_tables must be contiguous int64");
@@ -282,8 +286,9 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
                                            longs(new_slots), longs(key_slots), longs(starts), longs(lengths),
                                            final_norm, heads, kv_heads, eps, scale, attention, split_min_bytes);  // [T, hidden]
     const at::Tensor rows = last_rows.size() == tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
-    const at::Tensor next = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows, packed_max_rows,
-                                         split_min_bytes).argmax(-1);
+    const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows, packed_max_rows,
+                                           split_min_bytes);  // [requests, vocab]
+    const at::Tensor next = argmax_op ? argmax_op->call(logits) : logits.argmax(-1);
     const int64_t* np = next.data_ptr<int64_t>();
     for (size_t i = 0; i < row_request.size(); ++i) dp[row_request[i] * longest + s] = np[i];
   }
@@ -430,7 +435,7 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, Tensor lm_head_packed, "
         "int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, "
         "Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, float scale, str attention, "
-        "int split_min_bytes) -> Tensor", &dense_greedy_chains);
+        "int split_min_bytes, str greedy) -> Tensor", &dense_greedy_chains);
   m.def("int8_sq_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, str gemm, float step, int zero_point, int amx_min_rows) -> Tensor",
