@@ -286,8 +286,8 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
                                            longs(new_slots), longs(key_slots), longs(starts), longs(lengths),
                                            final_norm, heads, kv_heads, eps, scale, attention, split_min_bytes);  // [T, hidden]
     const at::Tensor rows = last_rows.size() == tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
-    const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows, packed_max_rows,
-                                           split_min_bytes);  // [requests, vocab]
+    const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows,
+                                           packed_max_rows, split_min_bytes);  // [requests, vocab]
     const at::Tensor next = argmax_op ? argmax_op->call(logits) : logits.argmax(-1);
     const int64_t* np = next.data_ptr<int64_t>();
     for (size_t i = 0; i < row_request.size(); ++i) dp[row_request[i] * longest + s] = np[i];
