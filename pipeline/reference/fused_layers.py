@@ -96,7 +96,7 @@ class FusedDenseLayers:
         flat_feeds = torch.tensor([t for feed in feeds for t in feed], dtype=torch.long)
         feed_counts = torch.tensor([len(feed) for feed in feeds], dtype=torch.long)
         bf16 = head.kernel.packed if isinstance(head, BFloat16Weights) else torch.empty(0)
-        packed = getattr(head, "packed", None)  # DenseLinear's oneDNN weight for 2-16 rows
+        packed = head.packed if isinstance(head, DenseLinear) else None  # its oneDNN weight for 2-16 rows
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
                 flat_feeds, feed_counts, torch.tensor(cached, dtype=torch.long), torch.tensor(counts, dtype=torch.long),

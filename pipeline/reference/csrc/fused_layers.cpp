@@ -230,8 +230,8 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
 at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tensor cached, at::Tensor counts,
                                at::Tensor block_tables, int64_t block_size, at::Tensor embed, at::Tensor lm_head,
                                at::Tensor lm_head_bf16, at::Tensor lm_head_packed, int64_t packed_min_rows,
-                               int64_t packed_max_rows,
-                               at::Tensor rope_cos, at::Tensor rope_signed_sin, std::vector<at::Tensor> weights,
+                               int64_t packed_max_rows, at::Tensor rope_cos, at::Tensor rope_signed_sin,
+                               std::vector<at::Tensor> weights,
                                at::Tensor k, at::Tensor v, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
                                double eps, double scale, std::string attention, int64_t split_min_bytes,
                                std::string greedy) {

