@@ -89,8 +89,8 @@ def draft_rounds(proposer, inputs):
 
 
 def test_greedy_chains_draft_what_forward_by_forward_drafting_drafts(tiny_llama):
-    """One op call per propose (a prompt-long feed first on the prefill path) against a forward per draft token: the
-    same tokens, the same cached tokens, the same KV."""
+    """One op call per propose (a prompt-long feed included) against a forward per draft token (the prompt on the
+    prefill path): the same tokens, the same cached tokens, the same KV."""
     def run(chains: bool):
         proposer = DraftModelProposer(LlamaModel.from_hf(tiny_llama), max_batch_size=3, max_seq_len=128)
         assert proposer.greedy_chains

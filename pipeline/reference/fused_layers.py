@@ -88,8 +88,8 @@ class FusedDenseLayers:
         """counts[b] greedy (argmax) draft tokens for every request b, all forwards in one op call: request b's
         feed (the tokens its cache lacks, from position cached[b]) first, then each draft token in turn, their KV
         written to its blocks (block_tables[b], enough for cached + feed + counts - 1 tokens). Needs `self.lm_head`.
-        The whole call runs on the model's decode threads, as its forwards of up to DECODE_ROWS rows do (a first
-        forward of more rows, several requests' feeds together, would run on torch's thread count there)."""
+        The whole call runs on the model's decode threads, as its forwards of up to DECODE_ROWS rows do, a prompt's
+        feed included (the model's own forward of more rows would run on torch's thread count)."""
         m, head = self.model, self.lm_head
         widest = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.long)
