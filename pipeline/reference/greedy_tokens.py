@@ -1,8 +1,8 @@
 """Each row's greedy token (its argmax) as the project's own kernel (csrc/greedy_tokens.cpp): the same index as
 torch.argmax(dim=-1), the first of the largest value (a NaN counts as the largest), in a fraction of its time on a
 vocabulary of SmolLM2's size (one row 43 -> 5 us, a verify's 6 rows 208 -> 28 us; docs/benchmarks.md). Greedy
-verification and draft chains ask for it every step. The source is compiled once per machine (pipeline.reference.cpp_ops); where it
-cannot run (no AVX2), or REFERENCE_ARGMAX_KERNEL=0, torch.argmax runs.
+verification and draft chains ask for it every step. The source is compiled once per machine
+(pipeline.reference.cpp_ops); where it cannot run (no AVX2), or REFERENCE_ARGMAX_KERNEL=0, torch.argmax runs.
 """
 
 from __future__ import annotations
