@@ -69,11 +69,15 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
-        # greedy_chains' output layer: the model's, run as it runs: a draft's BFloat16Weights (draft_output_layer) or a
-        # bias-free DenseLinear (a biased or other output layer keeps the proposer's forward-by-forward loop)
-        head = model.lm_head_linear
+
+    @property
+    def lm_head(self) -> BFloat16Weights | DenseLinear | None:
+        """greedy_chains' output layer: the model's as it is now, run as it runs: a draft's BFloat16Weights
+        (draft_output_layer) or a bias-free DenseLinear; None for a biased or other output layer (the proposer's
+        forward-by-forward loop runs those)."""
+        head = self.model.lm_head_linear
         chainable = isinstance(head, BFloat16Weights) or isinstance(head, DenseLinear) and head.bias is None
-        self.lm_head = head if chainable else None
+        return head if chainable else None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
         """x [T, hidden] (embeddings) through every layer and the final norm -> [T, hidden]; plan: a row attention
