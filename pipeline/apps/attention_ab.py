@@ -2,15 +2,16 @@
 revision's, in one process.
 
     .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target [--rev 51d9882] [--reps 11] [--context 128]
-    .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target --kernel --rev c5eb53d [--context 300]
+    .venv/bin/python -m pipeline.apps.attention_ab out/default/engines/target --kernel --rev c5eb53d [--context 300] \
+        [--decode-threads 2]
 
 Loads the engine twice, once through this tree's pipeline/reference/model.py and once through the
 revision's (`git show REV:pipeline/reference/model.py`, the rest of the package from this tree), and
 times, interleaved in every repeat on one torch thread: one decode step after `context` cached tokens,
 a verify of 6 tokens, and one decode step of 8 sequences in flight (contexts spread around `context`),
 in both attention modes of each (batch_invariant on / off). Medians; the load average is printed.
-With --kernel: one model (this tree's, as serving loads it) whose row attention calls, in turn, this tree's
-csrc/row_attention.cpp and the revision's (built under its own op namespace), timed for a forward of 1, 2, 3, 4
+With --kernel: one model (this tree's, as serving loads it, on the decode threads it measured) whose fused layers
+call, in turn, this tree's csrc/row_attention.cpp and the revision's (built under its own op namespace), timed for a forward of 1, 2, 3, 4
 and 6 new tokens and one step of 8 sequences in flight, and whether the two kernels give the same logits bit for bit.
 A measurement, not a test: run it by hand under the bench lock (docs/benchmarks.md, "Greedy identity in serving").
 """
@@ -58,44 +59,44 @@ def revision_module(rev: str):
     return module
 
 
-def revision_kernel(rev: str):
-    """csrc/row_attention.cpp at `rev`, built as `torch.ops.specdeploy_<rev>.row_attention`."""
+def revision_kernel(rev: str) -> str:
+    """csrc/row_attention.cpp at `rev`, built (for the CPU the model runs it on) under the op namespace
+    specdeploy_<rev>; returns its write_and_attend op's qualified name."""
     from torch.utils.cpp_extension import load_inline
 
-    from pipeline.reference import row_attention
+    from pipeline.reference import cpp_ops, row_attention
+    build = row_attention.kernel()
     source = revision_source(rev, "pipeline/reference/csrc/row_attention.cpp")
     namespace = f"specdeploy_{rev}"
     load_inline(namespace, cpp_sources=[source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")],
-                extra_cflags=row_attention.FLAGS, is_python_module=False)
-    return getattr(torch.ops, namespace).row_attention
+                extra_cflags=[*build.flags, *cpp_ops.OPENMP], extra_ldflags=list(cpp_ops.OPENMP), is_python_module=False)
+    return f"{namespace}::{row_attention.op_name('write_and_attend')}"
 
 
-def kernel_ab(engine: str, rev: str, reps: int, ctx: int) -> None:
+def kernel_ab(engine: str, rev: str, reps: int, ctx: int, decode_threads: int | None) -> None:
     """This tree's row attention kernel against the revision's, in one model (see the module docstring)."""
     from pipeline.reference import row_attention
     if row_attention.kernel() is None:
         raise SystemExit("the row attention kernel does not run here (no AVX-512, or REFERENCE_ROW_ATTENTION=0)")
     from pipeline.serving.reference_adapter import load_serving_engine
 
-    kernels = {"this tree": torch.ops.specdeploy.row_attention, rev: revision_kernel(rev)}
-    model = load_serving_engine(Path(engine)).model  # as the tensorrt_llm model serves it: batch-invariant, compiled
+    kernels = {"this tree": f"specdeploy::{row_attention.op_name('write_and_attend')}", rev: revision_kernel(rev)}
+    model = load_serving_engine(Path(engine)).model  # as the tensorrt_llm model serves it: batch-invariant, fused
+    if model.fused_layers is None:
+        raise SystemExit("the engine's model runs no fused layers here: nothing calls the kernel by name")
+    model.decode_threads = decode_threads or model.decode_threads
     lengths, ids, table, blocks = contexts(ctx)
     kv = model.new_kv_cache(blocks, 32)
     shapes = {"1 token": (1, 1)} | {f"{n} tokens": (n, 1) for n in (2, 3, 4, 6)} | {"8 x 1 token": (1, 8)}
 
-    def forward(kernel, n: int, batch: int) -> torch.Tensor:
-        def write_and_attend(q, k_new, v_new, new_slots, k, v, keys, scale):  # the KV write alike for both kernels
-            k.index_copy_(0, new_slots, k_new)
-            v.index_copy_(0, new_slots, v_new)
-            return kernel(q, k, v, *keys, scale)
-
-        row_attention.write_and_attend = write_and_attend
+    def forward(kernel: str, n: int, batch: int) -> torch.Tensor:
+        model.fused_layers.attention = kernel  # the fused layers call their attention op by its name
         return model([current.SequenceInput(ids[lengths[j]:lengths[j] + n], lengths[j], table[j],
                                             logits_rows=list(range(n))) for j in range(batch)], kv).logits
 
     times = {(name, shape): [] for name in kernels for shape in shapes}
     same = {}
-    installed = row_attention.write_and_attend
+    installed = model.fused_layers.attention
     try:
         with torch.inference_mode():
             model([current.SequenceInput(ids[:n], 0, t) for n, t in zip(lengths, table)], kv)
@@ -108,9 +109,9 @@ def kernel_ab(engine: str, rev: str, reps: int, ctx: int) -> None:
                         times[(name, shape)].append(time.perf_counter() - start)
                     same[shape] = torch.equal(*logits.values())
     finally:
-        row_attention.write_and_attend = installed
+        model.fused_layers.attention = installed
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{engine}; load average {load}; median of {reps}, 1 thread, context {ctx} (8 in flight: "
+    print(f"{engine}; load average {load}; median of {reps}, decode threads {model.decode_threads}, context {ctx} (8 in flight: "
           f"{min(lengths)}-{max(lengths)}); ratio = against the same kernel's 1 token")
     print("| kernel | " + " | ".join(f"{shape} ms (ratio)" for shape in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
@@ -129,10 +130,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--kernel", action="store_true", help="compare the row attention kernels, not model.py")
+    parser.add_argument("--decode-threads", type=int, help="--kernel: the model's decode threads (default: its own)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.kernel:
-        kernel_ab(args.engine, args.rev, args.reps, args.context)
+        kernel_ab(args.engine, args.rev, args.reps, args.context, args.decode_threads)
         return
     modules = {"this tree": current, args.rev: revision_module(args.rev)}
     ctx = args.context

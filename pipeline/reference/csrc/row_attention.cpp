@@ -183,9 +183,12 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
     const int64_t nk = std::min<int64_t>(LANES, longest - j0);
     const __mmask16 mask = nk == LANES ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
     // the next block's keys and this block's values on their way in (a plain step's keys come from memory: the
-    // weights streamed through the caches since the layer's last step; measured 0.4-1.3 ms a SmolLM2 step)
+    // weights streamed through the caches since the layer's last step; measured 0.4-1.3 ms a SmolLM2 step). Into
+    // L2, not L1 (_MM_HINT_T0): SmolLM2's 30 layers of one row over 600 / 900 keys took 1.46 / 2.79 ms with the
+    // keys prefetched into L1, 1.18 / 1.83 ms into L2 (Zen4, docs/benchmarks.md); equal at 300 keys.
     for (int64_t t = j0 + LANES; t < std::min(longest, j0 + 2 * LANES); ++t)
-      for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + c * LANES), _MM_HINT_T0);
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + c * LANES), _MM_HINT_T1);
     for (int64_t t = j0; t < j0 + nk; ++t)
       for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(v + slots[t] * kv_stride + c * LANES), _MM_HINT_T1);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -285,8 +288,9 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
   for (int64_t j0 = 0; j0 < longest; j0 += 8) {  // scores, 8 keys at a time
     const float* kj[8];
     for (int t = 0; t < 8; ++t) kj[t] = j0 + t < longest ? k + slots[j0 + t] * kv_stride : zeros;
-    for (int64_t t = j0 + 8; t < std::min(longest, j0 + 16); ++t)  // the next block's keys on their way in
-      for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + d), _MM_HINT_T0);
+    for (int64_t t = j0 + 8; t < std::min(longest, j0 + 16); ++t)  // the next block's keys on their way in, to L2
+      for (int64_t d = 0; d < D; d += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(k + slots[t] * kv_stride + d), _MM_HINT_T1);
     for (int64_t p = 0; p < n; ++p) {
       if (j0 >= len[p]) continue;
       // key t's dot product: lane l sums q[8c + l] * k_t[8c + l] over the chunks c in order, by fmas from the first
