@@ -19,6 +19,7 @@ A measurement, not a test: run it by hand under the bench lock (docs/benchmarks.
 import argparse
 import importlib.util
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -61,13 +62,13 @@ def revision_module(rev: str):
 
 def revision_kernel(rev: str) -> str:
     """csrc/row_attention.cpp at `rev`, built (for the CPU the model runs it on) under the op namespace
-    specdeploy_<rev>; returns its write_and_attend op's qualified name."""
+    specdeploy_<rev> (non-word characters as _); returns its write_and_attend op's qualified name."""
     from torch.utils.cpp_extension import load_inline
 
     from pipeline.reference import cpp_ops, row_attention
     build = row_attention.kernel()
     source = revision_source(rev, "pipeline/reference/csrc/row_attention.cpp")
-    namespace = f"specdeploy_{rev}"
+    namespace = "specdeploy_" + re.sub(r"\W", "_", rev)  # HEAD~1 -> specdeploy_HEAD_1
     load_inline(namespace, cpp_sources=[source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")],
                 extra_cflags=[*build.flags, *cpp_ops.OPENMP], extra_ldflags=list(cpp_ops.OPENMP), is_python_module=False)
     return f"{namespace}::{row_attention.op_name('write_and_attend')}"
