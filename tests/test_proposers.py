@@ -47,6 +47,36 @@ def test_min_token_prob_cuts_the_draft_where_earlier_occurrences_disagree():
     assert NgramProposer(1, 1).lookup([7, 1, 7, 2, 7], 3) == [2, 7]
 
 
+def _lookup_by_definition(tokens, k, min_ngram, max_ngram, min_token_prob):
+    """ngram_lookup's docstring, position by position: every earlier occurrence of the longest matching suffix,
+    the latest one's continuation, cut where the share of agreeing occurrences' product falls below min_token_prob."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        starts = [s + n for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == tokens[-n:]]
+        if not starts:
+            continue
+        draft, prob = tokens[starts[0]:starts[0] + k], 1.0
+        for i, token in enumerate(draft):
+            live = [s for s in starts if s + i < len(tokens)]
+            starts = [s for s in live if tokens[s + i] == token]
+            prob *= len(starts) / len(live)
+            if i and prob < min_token_prob:
+                return draft[:i]
+        return draft
+    return []
+
+
+def test_ngram_lookup_finds_what_its_definition_finds():
+    # token ids whose 4-byte encodings share bytes (256 = 0x100, 65536, 1): a match across two tokens' bytes
+    # must not count
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([[1, 2], [1, 2, 3, 256], [0, 1, 256, 65536, 257], list(range(6))])
+        tokens = [rng.choice(vocab) for _ in range(rng.randint(1, 40))]
+        k, lo = rng.randint(0, 6), rng.randint(1, 3)
+        hi, cut = rng.randint(lo, 4), rng.choice([0.0, 0.4, 0.7])
+        assert NgramProposer(lo, hi, cut).lookup(tokens, k) == _lookup_by_definition(tokens, k, lo, hi, cut), tokens
+
+
 def test_ngram_sizes_are_checked():
     with pytest.raises(ValueError, match="min_ngram"):
         NgramProposer(min_ngram=3, max_ngram=2)
