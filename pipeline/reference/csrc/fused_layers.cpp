@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,69 +43,11 @@ void each_row(int64_t T, const F& f) {
   });
 }
 
-// The elementwise work runs on 8 lanes (the build's -mavx2 -mfma; the simple loops vectorised by the compiler, the
-// reductions and e^x written out). A verify's rows and a prefill's spent most of the layers' own time in scalar
-// loops: SmolLM2's SiLU alone is 46k std::exp calls a row (docs/benchmarks.md). An element's arithmetic is the same
-// in a vector lane and in a loop's tail, and a row's reductions run in one fixed order, so the results stay the same
-// for any row count and thread count.
-
-// Lanes [0, n) of 8 set (n may exceed 8)
-inline __m256i first_lanes(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// The 8 lanes' sum in one fixed tree: halves, then pairs, then the last two
-inline float hsum8(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float hmax8(__m256 x) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-// 2^f for |f| <= 1/2 by its Taylor polynomial of degree 7, Horner's order: ln(2)^k / k!, k = 7 .. 0 (row attention's)
-constexpr float EXP2_TAYLOR[8] = {1.5252733804059840e-5f, 1.5403530393381609e-4f, 1.3333558146428443e-3f,
-                                  9.6181291076284772e-3f, 5.5504108664821580e-2f, 2.4022650695910071e-1f,
-                                  6.9314718055994531e-1f, 1.0f};
-
-// e^x on 8 lanes, x clamped to [-87, 88]: x log2(e) = n + f with |f| <= 1/2, 2^f by the polynomial (relative error
-// below 2e-9), times 2^n built in the exponent bits
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
-  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));  // -126 <= n <= 127: a normal power of two
-}
-
-// 1 / sqrt(mean(r^2) + eps) of a row r [n]: lane l sums the squares of r[i], i = l mod 8, in order by fused
-// multiply-adds, then the lanes add up in hsum8's tree
+// 1 / sqrt(mean(r^2) + eps) of a row r [n], its squares summed in order
 inline float inv_rms(const float* r, int64_t n, double eps) {
-  __m256 squares = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 x = _mm256_maskload_ps(r + i, first_lanes(n - i));
-    squares = _mm256_fmadd_ps(x, x, squares);
-  }
-  return 1.f / std::sqrt(hsum8(squares) / float(n) + float(eps));
-}
-
-// out[i] = silu(g) * u, g = gate[i] * s, u = up[i] * s (s = 1: the inputs as they are), silu(g) = g / (1 + e^-g)
-inline void silu_mul_row(const float* gate, const float* up, float s, int64_t n, float* out) {
-  const __m256 sv = _mm256_set1_ps(s), one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i m = first_lanes(n - i);
-    const __m256 g = _mm256_mul_ps(_mm256_maskload_ps(gate + i, m), sv);
-    const __m256 u = _mm256_mul_ps(_mm256_maskload_ps(up + i, m), sv);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
-    _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(silu, u));
-  }
+  float squares = 0.f;
+  for (int64_t i = 0; i < n; ++i) squares += r[i] * r[i];
+  return 1.f / std::sqrt(squares / float(n) + float(eps));
 }
 
 // x float32 [T, n] -> x / sqrt(mean(x^2) + eps) * w, row by row (HF's order: normalise, then scale)
@@ -144,8 +85,7 @@ void rope_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
     for (int64_t h = 0; h < H + KVH; ++h) {
       const float* x = row + h * D;
       float* o = h < H ? qp + (t * H + h) * D : kp + (t * KVH + h - H) * D;
-      for (int64_t d = 0; d < half; ++d) o[d] = x[d] * c[d] + x[d + half] * s[d];
-      for (int64_t d = half; d < D; ++d) o[d] = x[d] * c[d] + x[d - half] * s[d];
+      for (int64_t d = 0; d < D; ++d) o[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
     }
     std::memcpy(vp + t * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
   });
@@ -157,7 +97,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto out = at::empty({T, I}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  each_row(T, [&](int64_t t) { silu_mul_row(in + t * 2 * I, in + t * 2 * I + I, 1.f, I, op + t * I); });
+  each_row(T, [&](int64_t t) {
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = in[t * 2 * I + i];
+      op[t * I + i] = g / (1.f + std::exp(-g)) * in[t * 2 * I + I + i];
+    }
+  });
   return out;
 }
 
@@ -356,23 +301,14 @@ constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoo
 // A row r [n] -> o = a / s and s = max |a| (at least 1e-30), a = r * inv_smoother: the int8 GEMM's input row
 // (`scale_rows`). With norm: a = rms_norm(r) * inv_smoother.
 void scale_row(const float* r, int64_t n, const float* norm, double eps, const float* inv_smoother, float* o, float* s) {
-  const __m256 inv = _mm256_set1_ps(norm != nullptr ? inv_rms(r, n, eps) : 1.f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 top = _mm256_setzero_ps();  // a NaN element leaves it (max_ps returns its second operand then)
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i m = first_lanes(n - i);
-    __m256 a = _mm256_maskload_ps(r + i, m);
-    if (norm != nullptr) a = _mm256_mul_ps(_mm256_maskload_ps(norm + i, m), _mm256_mul_ps(a, inv));
-    a = _mm256_mul_ps(a, _mm256_maskload_ps(inv_smoother + i, m));
-    _mm256_maskstore_ps(o + i, m, a);
-    top = _mm256_max_ps(_mm256_andnot_ps(sign, a), top);
+  const float inv = norm != nullptr ? inv_rms(r, n, eps) : 1.f;
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    o[i] = (norm != nullptr ? norm[i] * (r[i] * inv) : r[i]) * inv_smoother[i];
+    top = std::max(top, std::fabs(o[i]));
   }
-  *s = std::max(hmax8(top), 1e-30f);
-  const __m256 sv = _mm256_set1_ps(*s);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i m = first_lanes(n - i);
-    _mm256_maskstore_ps(o + i, m, _mm256_div_ps(_mm256_maskload_ps(o + i, m), sv));
-  }
+  *s = std::max(top, 1e-30f);
+  for (int64_t i = 0; i < n; ++i) o[i] /= *s;
 }
 
 // The int8 GEMM op (VNNI or AVX2 build, by name), looked up in the dispatcher once per name
@@ -464,7 +400,10 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
     const at::Tensor y_gate_up = int8_gemm(gemm_input(hidden), w + 13);  // [T, 2 I]
     each_row(T, [&](int64_t t) {
       const float* y = row_of(y_gate_up, t);
-      silu_mul_row(y, y + inter, sp[t], inter, ap + t * inter);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = y[i] * sp[t];
+        ap[t * inter + i] = g / (1.f + std::exp(-g)) * (y[inter + i] * sp[t]);
+      }
       scale_row(ap + t * inter, inter, nullptr, eps, down_in, up + t * inter, sp + t);
     });
     const at::Tensor y_down = int8_gemm(gemm_input(inter), w + 16);
