@@ -1,10 +1,12 @@
 """`make bench-engine`'s speedups (pipeline/apps/bench_engine.py): each round's run against the same round's plain run.
 
 On the shared development machines the speed moves 1.5x within minutes; a ratio of two best-of-rounds numbers can
-pair a quiet minute with a loaded one.
+pair a quiet minute with a loaded one. The served lookup's parameters come from an assembled repository.
 """
 
-from pipeline.apps.bench_engine import goals, paired_speedup, run_rounds, speedups
+import pytest
+
+from pipeline.apps.bench_engine import goals, paired_speedup, run_rounds, served_lookup_parameters, speedups
 
 
 def test_a_run_as_fast_as_its_rounds_plain_run_is_1x_whatever_the_machine_did():
@@ -80,3 +82,17 @@ def test_otherwise_a_speculative_run_pairs_with_its_rounds_plain_run_of_its_batc
     assert len(calls) == 2 * 5
     assert rounds.baseline_tps[1] == rounds.baseline_tps[2] == rounds.tps[0]  # batch 1: the round's first run
     assert rounds.baseline_tps[4] == rounds.tps[3] and rounds.baseline_cpu[4] == rounds.cpu[3]  # batch 8's plain run
+
+
+def test_the_served_lookup_comes_from_a_repository_whose_engine_runs_prompt_lookup(tmp_path):
+    config = tmp_path / "tensorrt_llm" / "config.pbtxt"
+    config.parent.mkdir()
+    with pytest.raises(SystemExit, match="no .*config.pbtxt; assemble the repository with `make repo`"):
+        served_lookup_parameters(tmp_path)
+    param = 'parameters {{ key: "{}" value {{ string_value: "{}" }} }}\n'
+    config.write_text('name: "tensorrt_llm"\n' + param.format("speculative_mode", "draft_model"))
+    with pytest.raises(SystemExit, match="--served-lookup .*speculative_mode 'draft_model'"):
+        served_lookup_parameters(tmp_path)
+    config.write_text('name: "tensorrt_llm"\n' + param.format("speculative_mode", "ngram")
+                      + param.format("num_draft_tokens", "5"))
+    assert served_lookup_parameters(tmp_path) == {"speculative_mode": "ngram", "num_draft_tokens": "5"}

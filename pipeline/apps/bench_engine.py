@@ -13,13 +13,15 @@ before each round's plain batch-1 run: the plain decoding's share of it is the m
 plain run against its own read, as the speedups pair runs of one round). Pairs:
 - smollm2-draft: SmolLM2-135M-Instruct with its derived 4-layer draft (`make models`), chat prompts;
 - smollm2-ngram: SmolLM2-135M-Instruct with prompt lookup on input-grounded prompts (rewrite a
-  given text, document a given function);
+  given text, document a given function); with --served-lookup also "ngram as served": the proposer and policy the
+  repository's tensorrt_llm model runs (adaptive K, the cut, the costs `make repo` measured, the batch gate);
 - trained: the 6-layer/384 target and 1-layer/128 draft of `make trained-pair`, local-text prompts;
 - trained-weak: the same target with an untrained draft of the same shape (acceptance near 0).
 Writes docs/bench-engine.json, docs/bench-engine.md and docs/img/bench-engine-speedup.png.
 
     python -m pipeline.apps.bench_engine [--ks 2,4] [--smollm2-ks 4] [--prompts 2] [--full] [--pairs trained,smollm2-ngram]
         [--repeats 3] [--trained-repeats 9] [--trained-engine out/trained-int8/engines/target]
+        [--smollm2-engine out/default/engines/target --served-lookup out/default/model_repo]
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from pipeline.reference.model import LlamaModel, config_from_hf
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.step_cost import in_engine_draft_token_cost
+from pipeline.repo.validate import load_config
+from pipeline.serving.reference_adapter import lookup_proposer
 from pipeline.corpus import local_text
 
 NEW_TOKENS = 128
@@ -225,7 +229,7 @@ def proposer_for(pair: Pair, k: int, draft_model: LlamaModel | None, shared: boo
 
 
 def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_engine: Path | None = None,
-               repeats: int = 1) -> list[dict]:
+               repeats: int = 1, served_lookup: dict[str, str] | None = None) -> list[dict]:
     """Every measurement of one pair: rows of the results table.
 
     repeats: rounds over all of our runs, interleaved; each row keeps its best round (tok/s), and its speedup over
@@ -234,6 +238,9 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
 
     target_engine: an engine folder to run as our target (its qformat and kernels) instead of the
     pair's HF checkpoint in `dtype`; transformers always runs the checkpoint.
+    served_lookup: a model repository's tensorrt_llm parameters (`served_lookup_parameters`): a prompt lookup pair
+    also runs "ngram as served", the proposer and policy the served engine runs with them (adaptive K up to their
+    num_draft_tokens, the cut, the costs `make repo` measured, the batch gate), beside fixed K.
     """
     from transformers import AutoModelForCausalLM
 
@@ -269,6 +276,11 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))
+        if served_lookup is not None and pair.draft is None and target_engine is not None:
+            # served requests carry the spec's K (the BLS sends num_draft_tokens), ours none: the same cap here
+            k = min(int(served_lookup["num_draft_tokens"]),
+                    json.loads((target_engine / "config.json").read_text())["build_config"]["max_draft_len"])
+            jobs.append(("ngram as served", batch, k, prompts, lambda k=k: lookup_proposer(served_lookup, k)))
         for k in ks:
             jobs.append(("ngram" if pair.draft is None else "draft", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft)))
             if trained:
@@ -310,6 +322,20 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
                  "bandwidth_range": [round(min(bandwidths), 2), round(max(bandwidths), 2)],
                  "plain_share": round(share, 3), "plain_share_range": [round(low, 3), round(high, 3)]})
     return rows
+
+
+def served_lookup_parameters(repo: Path) -> dict[str, str]:
+    """The parameters of a model repository's tensorrt_llm model (`make repo`'s), which must run prompt lookup in the
+    engine (speculative_mode ngram)."""
+    path = repo / "tensorrt_llm" / "config.pbtxt"
+    if not path.is_file():
+        raise SystemExit(f"--served-lookup {repo}: no {path}; assemble the repository with `make repo`")
+    parameters = {key: value.string_value for key, value in load_config(path).parameters.items()}
+    if parameters.get("speculative_mode") != "ngram":
+        raise SystemExit(f"--served-lookup {repo}: its tensorrt_llm model does not run prompt lookup in the engine "
+                         f"(speculative_mode {parameters.get('speculative_mode')!r}); give the default spec's "
+                         "repository")
+    return parameters
 
 
 # ----------------------------------------------------------------------------- report
@@ -418,10 +444,12 @@ def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
         best(rows, "trained", "ours", "plain"), 1.8)
     add("trained: draft-target >= 1.3x transformers assisted", best(rows, "trained", "ours", "draft"),
         best(rows, "trained", "transformers", "assisted"), 1.3)
-    add("smollm2-ngram: n-gram >= 1.6x our plain", best(rows, "smollm2-ngram", "ours", "ngram"),
-        best(rows, "smollm2-ngram", "ours", "plain"), 1.6)
-    add("smollm2-ngram: 8 concurrent, n-gram >= 1.2x our plain", best(rows, "smollm2-ngram", "ours", "ngram", BATCH),
-        best(rows, "smollm2-ngram", "ours", "plain", BATCH), 1.2)
+    for method in ("ngram", "ngram as served"):
+        name, ngram = method.replace("ngram", "n-gram"), "smollm2-ngram"
+        add(f"{ngram}: {name} >= 1.6x our plain", best(rows, ngram, "ours", method), best(rows, ngram, "ours", "plain"),
+            1.6)
+        add(f"{ngram}: 8 concurrent, {name} >= 1.2x our plain", best(rows, ngram, "ours", method, BATCH),
+            best(rows, ngram, "ours", "plain", BATCH), 1.2)
     for method in ("draft", "draft cost-aware"):
         add(f"trained-weak: weak {method} >= 0.95x our plain at every K (worst K)",
             best(rows, "trained-weak", "ours", method, pick=min), best(rows, "trained-weak", "ours", "plain"), 0.95)
@@ -514,6 +542,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds for the trained pairs (default 9): a run of theirs takes a fraction of a second, "
                              "within which the shared machine's speed moves 10-20%%, so their ratios need more rounds "
                              "(the SmolLM2 pairs' runs take seconds)")
+    parser.add_argument("--served-lookup", type=Path, default=None,
+                        help="a model repository whose tensorrt_llm model runs prompt lookup (out/default/model_repo, "
+                             "`make repo`): the n-gram pair also runs its served proposer and policy")
     parser.add_argument("--full", action="store_true", help="K 1..8 and 3 prompts per pair")
     parser.add_argument("--out", default="docs", help="folder for bench-engine.{json,md} and img/")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens per request (default 128)")
@@ -529,12 +560,14 @@ def main(argv: list[str] | None = None) -> None:
     repeats = {p.name: args.trained_repeats if p.name.startswith("trained") else args.repeats for p in pairs}
     # per round: a plain and K draft (n-gram) runs per batch size; the trained pairs add cost-aware runs (both batch
     # sizes) and unshared drafts (8 in flight), and a plain run before each of their speculative runs
-    total = sum(repeats[name] * (2 * (1 + len(k)) + (8 * len(k) if name.startswith("trained") else 0)) + 1 + len(k)
+    served = served_lookup_parameters(args.served_lookup) if args.served_lookup else None
+    total = sum(repeats[name] * (2 * (1 + len(k)) + (8 * len(k) if name.startswith("trained") else 0)
+                                 + (2 if served and name == "smollm2-ngram" else 0)) + 1 + len(k)
                 for name, k in pair_ks.items())
     with tqdm(total=total, desc="bench-engine", unit="run") as progress:
         for pair in pairs:
             engine = args.smollm2_engine if pair.target == SMOLLM2 else args.trained_engine
-            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, repeats[pair.name])
+            rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, repeats[pair.name], served)
     speedups(rows)
     argv = sys.argv[1:] if argv is None else argv
     command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
