@@ -10,9 +10,10 @@ revision's (`git show REV:pipeline/reference/model.py`, the rest of the package 
 times, interleaved in every repeat on one torch thread: one decode step after `context` cached tokens,
 a verify of 6 tokens, and one decode step of 8 sequences in flight (contexts spread around `context`),
 in both attention modes of each (batch_invariant on / off). Medians; the load average is printed.
-With --kernel: one model (this tree's, as serving loads it, on the decode threads it measured) whose fused layers
-call, in turn, this tree's csrc/row_attention.cpp and the revision's (built under its own op namespace), timed for a forward of 1, 2, 3, 4
-and 6 new tokens and one step of 8 sequences in flight, and whether the two kernels give the same logits bit for bit.
+With --kernel: one model (this tree's, as serving loads it, on its own decode threads or --decode-threads) whose fused
+layers call, in turn, this tree's csrc/row_attention.cpp and the revision's (built under its own op namespace), timed
+for a forward of 1, 2, 3, 4 and 6 new tokens and one step of 8 sequences in flight, and whether the two kernels give
+the same logits bit for bit.
 A measurement, not a test: run it by hand under the bench lock (docs/benchmarks.md, "Greedy identity in serving").
 """
 
@@ -69,8 +70,9 @@ def revision_kernel(rev: str) -> str:
     build = row_attention.kernel()
     source = revision_source(rev, "pipeline/reference/csrc/row_attention.cpp")
     namespace = "specdeploy_" + re.sub(r"\W", "_", rev)  # HEAD~1 -> specdeploy_HEAD_1
-    load_inline(namespace, cpp_sources=[source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")],
-                extra_cflags=[*build.flags, *cpp_ops.OPENMP], extra_ldflags=list(cpp_ops.OPENMP), is_python_module=False)
+    source = source.replace("TORCH_LIBRARY_FRAGMENT(specdeploy,", f"TORCH_LIBRARY_FRAGMENT({namespace},")
+    load_inline(namespace, cpp_sources=[source], extra_cflags=[*build.flags, *cpp_ops.OPENMP],
+                extra_ldflags=list(cpp_ops.OPENMP), is_python_module=False)
     return f"{namespace}::{row_attention.op_name('write_and_attend')}"
 
 
@@ -112,8 +114,8 @@ def kernel_ab(engine: str, rev: str, reps: int, ctx: int, decode_threads: int | 
     finally:
         model.fused_layers.attention = installed
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{engine}; load average {load}; median of {reps}, decode threads {model.decode_threads}, context {ctx} (8 in flight: "
-          f"{min(lengths)}-{max(lengths)}); ratio = against the same kernel's 1 token")
+    print(f"{engine}; load average {load}; median of {reps}, decode threads {model.decode_threads}, context {ctx} "
+          f"(8 in flight: {min(lengths)}-{max(lengths)}); ratio = against the same kernel's 1 token")
     print("| kernel | " + " | ".join(f"{shape} ms (ratio)" for shape in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
     for name in kernels:
