@@ -324,17 +324,19 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
     return rows
 
 
-def served_lookup_parameters(repo: Path) -> dict[str, str]:
-    """The parameters of a model repository's tensorrt_llm model (`make repo`'s), which must run prompt lookup in the
-    engine (speculative_mode ngram)."""
+def served_lookup_parameters(repo: Path) -> dict[str, str] | None:
+    """The parameters of a model repository's tensorrt_llm model (`make repo`'s) where that model runs prompt lookup
+    in the engine (speculative_mode ngram); else None, saying so (a trtllm toolchain's repository, where the BLS looks
+    up, or another spec's)."""
     path = repo / "tensorrt_llm" / "config.pbtxt"
     if not path.is_file():
         raise SystemExit(f"--served-lookup {repo}: no {path}; assemble the repository with `make repo`")
     parameters = {key: value.string_value for key, value in load_config(path).parameters.items()}
     if parameters.get("speculative_mode") != "ngram":
-        raise SystemExit(f"--served-lookup {repo}: its tensorrt_llm model does not run prompt lookup in the engine "
-                         f"(speculative_mode {parameters.get('speculative_mode')!r}); give the default spec's "
-                         "repository")
+        print(f"--served-lookup {repo}: its tensorrt_llm model does not run prompt lookup in the engine "
+              f"(speculative_mode {parameters.get('speculative_mode')!r}): the served lookup is not measured",
+              file=sys.stderr)
+        return None
     return parameters
 
 
