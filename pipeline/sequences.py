@@ -7,6 +7,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 
+_TOKEN_BYTES = array("i").itemsize  # a token's bytes in prompt lookup's packed search (int32)
+
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share. Compared as list slices (in C, not a Python loop per token: a draft
@@ -66,11 +68,11 @@ def _starts(packed: bytes, ngram: list[int], end: int) -> Iterator[int]:
     """Every s with tokens[s:s + len(ngram)] == ngram and s + len(ngram) <= end, latest first; `packed` holds the
     tokens as array("i") bytes (a match at a byte offset that is no multiple of the item size straddles two tokens
     and is skipped)."""
-    needle, size = array("i", ngram).tobytes(), array("i").itemsize
-    stop = end * size
+    needle = array("i", ngram).tobytes()
+    stop = end * _TOKEN_BYTES
     while (found := packed.rfind(needle, 0, stop)) >= 0:
-        if found % size == 0:
-            yield found // size
+        if found % _TOKEN_BYTES == 0:
+            yield found // _TOKEN_BYTES
         stop = found + len(needle) - 1  # an earlier match may overlap this one
 
 

@@ -273,14 +273,16 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
             target, lambda on=on: DraftModelProposer(draft, max_batch_size=len(on), max_seq_len=512), cost_ks, on))
             for on in (pair.prompts[:1], batch8)]
         costs = {k: tuple((batch, at[i]) for batch, at in by_batch) for i, k in enumerate(cost_ks)}
+    served_k = None  # the served lookup's K: served requests carry the spec's (the BLS sends num_draft_tokens), ours
+    # none, so the same cap goes to the proposer here
+    if served_lookup is not None and pair.draft is None and target_engine is not None:
+        served_k = min(int(served_lookup["num_draft_tokens"]),
+                       json.loads((target_engine / "config.json").read_text())["build_config"]["max_draft_len"])
     jobs = []  # (method, batch, K, prompts, proposer factory)
     for batch, prompts in ((1, pair.prompts), (BATCH, batch8)):
         jobs.append(("plain", batch, 0, prompts, lambda: None))
-        if served_lookup is not None and pair.draft is None and target_engine is not None:
-            # served requests carry the spec's K (the BLS sends num_draft_tokens), ours none: the same cap here
-            k = min(int(served_lookup["num_draft_tokens"]),
-                    json.loads((target_engine / "config.json").read_text())["build_config"]["max_draft_len"])
-            jobs.append(("ngram as served", batch, k, prompts, lambda k=k: lookup_proposer(served_lookup, k)))
+        if served_k is not None:
+            jobs.append(("ngram as served", batch, served_k, prompts, lambda: lookup_proposer(served_lookup, served_k)))
         for k in ks:
             jobs.append(("ngram" if pair.draft is None else "draft", batch, k, prompts, lambda k=k: proposer_for(pair, k, draft)))
             if trained:
