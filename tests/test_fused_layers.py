@@ -227,22 +227,41 @@ def test_int8_sq_fused_layers_give_the_same_bits_on_the_avx2_gemm(int8_engines, 
     vnni = run_steps(*int8_sq_model(int8_engines["int8_sq"], fused=True), prompt)
     monkeypatch.setattr(int8_grid_gemm, "kernel", lambda: int8_grid_gemm.AVX2)  # weights packed for the AVX2 build
     model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
-    assert model.fused_layers.gemm[0] == "specdeploy::int8_grid_gemm_avx2"
+    assert model.fused_layers.gemm[0] == "specdeploy::int8_grid_gemm_avx2_into"
     assert torch.equal(run_steps(model, kv, prompt), vnni)
 
 
 @needs_int8_kernel
-def test_int8_sq_fused_layers_give_the_same_bits_on_one_thread_and_two(int8_engines):  # noqa: F811
-    """A verify's rows are split over the threads between the op's calls: no bit may depend on that (the engine picks
-    its decode threads by speed alone, decode_threads.choose)."""
+def test_int8_sq_fused_layers_give_the_same_bits_on_one_thread_two_and_three(int8_engines):  # noqa: F811
+    """A forward's work is split over a team of threads (rows, output channels, attention items): no bit may depend on
+    that (the engine picks its decode threads by speed alone, decode_threads.choose)."""
     prompt = prompts(1)[0] * 3
     outs = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
         model.decode_threads = threads  # the threads of every forward in exact mode
         with intra_op_threads(threads):
             outs.append(run_steps(model, kv, prompt))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_int8_kernel
+def test_a_failure_on_a_forwards_team_is_raised_and_the_next_forward_runs(int8_engines):  # noqa: F811
+    """An op that fails inside the team (here the attention, on a key slot past the cache) releases the threads that
+    wait for it: the caller gets the error, not a hang, and the model's next forward computes as before."""
+    model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    layers, slots = model.fused_layers, kv.k.shape[1]
+    x, cos, sin = model.embed[[3]], model.rope_cos[[0]].unsqueeze(1), model.rope_signed_sin[[0]].unsqueeze(1)
+    keys = (torch.tensor([slots]), torch.tensor([0]), torch.tensor([1]))
+    with intra_op_threads(2), pytest.raises(RuntimeError, match=f"slot {slots} is not in the cache"):
+        torch.ops.specdeploy.int8_sq_layers(x, cos, sin, layers.weights, kv.k, kv.v, torch.tensor([0]), *keys,
+                                            model.final_norm, model.num_heads, model.num_kv_heads, model.eps,
+                                            model.scale, layers.attention, *layers.gemm)
+    model.decode_threads = 2
+    prompt = prompts(1)[0] * 3
+    with intra_op_threads(2):
+        assert torch.equal(run_steps(model, kv, prompt), run_steps(*int8_sq_model(int8_engines["int8_sq"], fused=True),
+                                                                   prompt))
 
 
 @needs_int8_kernel

@@ -110,6 +110,33 @@ def test_a_verifys_query_heads_split_across_threads_keep_their_bits(heads, kv_he
 
 
 @ISAS
+def test_a_teams_threads_take_the_work_items_from_one_counter_and_keep_the_bits(isa):
+    """row_attention_into, as each thread of a fused forward's team calls it (csrc/fused_layers.cpp): every caller plans
+    the same work items for `parts` threads and takes them from the shared counter `ticket`, so whichever caller takes
+    which item, together they write row_attention's result. Here the callers run one after the other: the first takes
+    every item, the others find none left."""
+    attend = functools.partial(row_attention.row_attention, isa=isa)
+    into = row_attention._op("row_attention_into", isa)
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(128, 3, 64, generator=g), torch.randn(128, 3, 64, generator=g)
+    q = torch.randn(26, 9, 64, generator=g) * 3  # a 20-row prompt (two row groups) and a 6-row verify
+    keys = (torch.randperm(128, generator=g), torch.tensor([0] * 20 + [20] * 6), torch.tensor(list(range(1, 21)) + list(range(90, 96))))
+    want = attend(q, k, v, keys, 0.125)
+    for parts in (1, 2, 3):
+        out, ticket = torch.full_like(want, float("nan")), torch.zeros(1, dtype=torch.long)
+        into(q, k, v, *keys, 0.125, out, ticket, parts)
+        assert torch.equal(out, want)
+        taken = ticket.item()
+        for _ in range(parts - 1):
+            into(q, k, v, *keys, 0.125, out, ticket, parts)
+        assert ticket.item() == taken + parts - 1  # each later caller found no item left
+    with pytest.raises(RuntimeError, match="ticket must be one int64"):
+        into(q, k, v, *keys, 0.125, out, torch.zeros(2, dtype=torch.long), 2)
+    with pytest.raises(RuntimeError, match="out must be contiguous float32"):
+        into(q, k, v, *keys, 0.125, out[:, :64], torch.zeros(1, dtype=torch.long), 2)
+
+
+@ISAS
 def test_write_and_attend_stores_the_new_keys_then_attends_as_row_attention(isa):
     """The fused call the model makes per layer: the new tokens' keys and values (strided rows, as views of the qkv
     projection) land at their slots, and the result is row_attention's over the cache written the usual way."""

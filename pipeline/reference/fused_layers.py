@@ -134,9 +134,9 @@ class FusedInt8Layers:
             self.weights += [t for k in LINEARS for t in (layer[k].kernel.packed, layer[k].kernel.offset,
                                                           layer[k].kernel.multiplier)]
         kernel = model.layers[0]["qkv"].kernel  # every linear's: the grid and the build are the model's
-        op = "int8_grid_gemm" if kernel.isa is int8_grid_gemm.VNNI else "int8_grid_gemm_avx2"
+        op = "int8_grid_gemm_into" if kernel.isa is int8_grid_gemm.VNNI else "int8_grid_gemm_avx2_into"
         self.gemm = ("specdeploy::" + op, kernel.step, kernel.zero_point, kernel.amx_min_rows)
-        self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
+        self.attention = "specdeploy::" + row_attention.op_name("row_attention_into")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
         """As FusedDenseLayers.__call__."""

@@ -18,16 +18,23 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -43,6 +50,73 @@ void each_row(int64_t T, const F& f) {
   });
 }
 
+// Thrown out of Team::wait on the threads that a failed thread left waiting.
+struct Abandoned {};
+
+// The threads of one parallel region that runs a whole forward (`run_team`): every thread computes its share of each
+// phase (a GEMM's output channels, the attention's work items, rows), then waits for the others on a spinning
+// barrier. Separate parallel regions per phase cost a forward 150-300 OpenMP fork/joins, and under
+// OMP_WAIT_POLICY=PASSIVE (as served: idle OpenMP threads sleep) each one wakes a sleeping thread: SmolLM2's one-token
+// step took 11.5 ms on two threads that way against 7.7 with threads that spin (docs/benchmarks.md). A team's threads
+// spin only inside a forward; between forwards they sleep as the policy says.
+class Team {
+ public:
+  // Every thread of the region calls this first, with the region's thread count.
+  void join(int size) { size_.store(size, std::memory_order_relaxed); }
+  int size() const { return size_.load(std::memory_order_relaxed); }
+
+  // Return once every thread has called wait as often as this one (a generation count); throws Abandoned where a
+  // thread failed. After SPINS pauses a waiting thread yields its core at every check (a thread of the team lost
+  // its core to another process).
+  void wait() {
+    constexpr int64_t SPINS = 1 << 14;
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size() - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (failed_.load(std::memory_order_acquire)) throw Abandoned{};
+      if (spins >= SPINS) std::this_thread::yield();
+#if defined(__x86_64__) || defined(__i386__)
+      else _mm_pause();
+#endif
+    }
+  }
+
+  void fail() { failed_.store(true, std::memory_order_release); }
+
+ private:
+  std::atomic<int> size_{0}, arrived_{0}, generation_{0};
+  std::atomic<bool> failed_{false};
+};
+
+// body(team, thread) on every thread of one parallel region of torch's thread count, with the caller's thread-local
+// state (inference mode and the like). The first exception of any thread releases the others from Team::wait and is
+// rethrown here.
+template <typename F>
+void run_team(const F& body) {
+  Team team;
+  const at::ThreadLocalState caller;
+  std::exception_ptr error;
+  std::mutex error_lock;
+#pragma omp parallel
+  {
+    team.join(omp_get_num_threads());
+    const at::ThreadLocalStateGuard as_caller(caller);
+    try {
+      body(team, omp_get_thread_num());
+    } catch (const Abandoned&) {
+    } catch (...) {
+      const std::lock_guard<std::mutex> guard(error_lock);
+      if (!error) error = std::current_exception();
+      team.fail();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 // 1 / sqrt(mean(r^2) + eps) of a row r [n], its squares summed in order
 inline float inv_rms(const float* r, int64_t n, double eps) {
   float squares = 0.f;
@@ -50,27 +124,40 @@ inline float inv_rms(const float* r, int64_t n, double eps) {
   return 1.f / std::sqrt(squares / float(n) + float(eps));
 }
 
-// x float32 [T, n] -> x / sqrt(mean(x^2) + eps) * w, row by row (HF's order: normalise, then scale)
+// One row r [n] -> o = r / sqrt(mean(r^2) + eps) * w (HF's order: normalise, then scale)
+inline void norm_row(const float* r, int64_t n, const float* w, double eps, float* o) {
+  const float inv = inv_rms(r, n, eps);
+  for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (r[i] * inv);
+}
+
+// x float32 [T, n] -> `norm_row` of every row
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t T = x.size(0), n = x.size(1);
   auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  each_row(T, [&](int64_t t) {
-    const float* r = xp + t * n;
-    float* o = op + t * n;
-    const float inv = inv_rms(r, n, eps);
-    for (int64_t i = 0; i < n; ++i) o[i] = wp[i] * (r[i] * inv);
-  });
+  each_row(T, [&](int64_t t) { norm_row(xp + t * n, n, wp, eps, op + t * n); });
   return out;
 }
 
-// qkv [T, (H + 2 KVH) * D] -> RoPE'd q [T, H, D], k [T, KVH, D] and v [T, KVH, D]; cos, sin [T, 1, D] (sin signed:
-// rotate_half(x) * sin == roll(x, D / 2) * signed sin)
+// One row of qkv [(H + 2 KVH) * D] -> RoPE'd q [H, D], k [KVH, D] and v [KVH, D]; c, s [D] the row's cos and sin (sin
+// signed: rotate_half(x) * sin == roll(x, D / 2) * signed sin)
+void rope_row(const float* row, const float* c, const float* s, int64_t H, int64_t KVH, int64_t D, float* q, float* k,
+              float* v) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H + KVH; ++h) {
+    const float* x = row + h * D;
+    float* o = h < H ? q + h * D : k + (h - H) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
+  }
+  std::memcpy(v, row + (H + KVH) * D, KVH * D * sizeof(float));
+}
+
+// qkv [T, (H + 2 KVH) * D] -> RoPE'd q [T, H, D], k [T, KVH, D] and v [T, KVH, D]; cos, sin [T, 1, D] (`rope_row`)
 void rope_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
                 at::Tensor& q, at::Tensor& k, at::Tensor& v) {
-  const int64_t T = qkv.size(0), D = cos.size(2), half = D / 2, width = qkv.size(1);
+  const int64_t T = qkv.size(0), D = cos.size(2), width = qkv.size(1);
   q = at::empty({T, H, D}, qkv.options());
   k = at::empty({T, KVH, D}, qkv.options());
   v = at::empty({T, KVH, D}, qkv.options());
@@ -79,15 +166,7 @@ void rope_split(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   const float* sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   each_row(T, [&](int64_t t) {
-    const float* row = in + t * width;
-    const float* c = cp + t * D;
-    const float* s = sp + t * D;
-    for (int64_t h = 0; h < H + KVH; ++h) {
-      const float* x = row + h * D;
-      float* o = h < H ? qp + (t * H + h) * D : kp + (t * KVH + h - H) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
-    }
-    std::memcpy(vp + t * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+    rope_row(in + t * width, cp + t * D, sp + t * D, H, KVH, D, qp + t * H * D, kp + t * KVH * D, vp + t * KVH * D);
   });
 }
 
@@ -311,9 +390,11 @@ void scale_row(const float* r, int64_t n, const float* norm, double eps, const f
   for (int64_t i = 0; i < n; ++i) o[i] /= *s;
 }
 
-// The int8 GEMM op (VNNI or AVX2 build, by name), looked up in the dispatcher once per name
-using VnniSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t);
-using Avx2Signature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t);
+// The int8 GEMM's `_into` op (VNNI or AVX2 build, by name): one thread's share of a GEMM, looked up once per name
+using VnniSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t, at::Tensor,
+                           int64_t, int64_t);
+using Avx2Signature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t,
+                           int64_t);
 
 struct Int8Gemm {
   c10::OperatorHandle op;
@@ -321,18 +402,27 @@ struct Int8Gemm {
   double step;
   int64_t zero_point, amx_min_rows;
 
-  // x_unit [T, in] (rows already divided by their scale) -> [T, out] float32, unscaled
-  at::Tensor operator()(const at::Tensor& x_unit, const at::Tensor* w) const {
+  // out [T, out] (float32, unscaled) = x_unit [T, in] (rows already divided by their scale) times w's weight: this
+  // thread's share `part` of `parts`
+  void operator()(const at::Tensor& x_unit, const at::Tensor* w, const at::Tensor& out, int64_t part, int64_t parts) const {
     if (vnni)
-      return op.typed<VnniSignature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, amx_min_rows);
-    return op.typed<Avx2Signature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point);
+      op.typed<VnniSignature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, amx_min_rows, out, part,
+                                     parts);
+    else
+      op.typed<Avx2Signature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, out, part, parts);
   }
 };
+
+// row_attention_into(q, k, v, slots, starts, lengths, scale, out, ticket, parts): one thread's share of the attention
+using AttendIntoSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
+                                 at::Tensor, at::Tensor, int64_t);
 
 // x float32 [T, hidden] (the embeddings) through every int8_sq layer and the final norm -> [T, hidden]. weights: 19 per
 // layer (INT8_TENSORS_PER_LAYER; float32 and contiguous, the int8 GEMMs' packed weights, int32 offsets and float32
 // multipliers as int8_grid_gemm.PackedInt8 holds them); k, v, new_slots, slots, starts, lengths: as dense_layers;
-// gemm: the int8 GEMM op's name with its grid (step, zero_point) and amx_min_rows (the VNNI build's).
+// attention: the row attention's `_into` op; gemm: the int8 GEMM's `_into` op with its grid (step, zero_point) and
+// amx_min_rows (the VNNI build's). The whole forward is one team (`run_team`): its phases, each split over the
+// threads, are each GEMM (output channels), the attention (work items) and the work between them (rows).
 at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
                           at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots, at::Tensor starts,
                           at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps,
@@ -343,6 +433,9 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
               "int8_sq_layers: ", INT8_TENSORS_PER_LAYER, " weights per layer of the caches k, v [layers, slots, KVH, D]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && cos.dim() == 3 && cos.size(0) == T
               && sin.sizes() == cos.sizes(), "int8_sq_layers: x must be float32 [T, hidden], cos and sin [T, 1, D]");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 4 && k.is_contiguous() && v.sizes() == k.sizes()
+              && v.scalar_type() == at::kFloat && v.is_contiguous() && k.size(2) == kv_heads && k.size(3) == D,
+              "int8_sq_layers: the caches k, v must be contiguous float32 [layers, slots, KVH, D]");
   for (int64_t l = 0; l < L; ++l)
     for (int64_t i = 0; i < 7; ++i) {
       const at::Tensor& w = weights[l * INT8_TENSORS_PER_LAYER + i];
@@ -352,71 +445,102 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   const int64_t inter = weights[5].numel(), qkv_width = weights[6].numel();
   TORCH_CHECK(qkv_width == (heads + 2 * kv_heads) * D && weights[2].numel() == hidden && weights[3].numel() == HD,
               "int8_sq_layers: the qkv bias must be (H + 2 KVH) * D wide, the qkv and o 1/smoothers hidden and H * D");
-  const AttendOp attend = attend_op(attention);
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == hidden,
+              "int8_sq_layers: the final norm must be contiguous float32 [hidden]");
+  new_slots = new_slots.contiguous();
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.numel() == T, "int8_sq_layers: new_slots must be int64 [T]");
+  const int64_t* ns = new_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
+    TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(1), "int8_sq_layers: slot ", ns[t], " is not in the cache");
+  const auto attend = find_op(attention).typed<AttendIntoSignature>();
   const c10::OperatorHandle gemm_op = find_op(gemm);
-  const Int8Gemm int8_gemm{gemm_op, gemm_op.schema().arguments().size() == 8, step, zero_point, amx_min_rows};
+  const Int8Gemm int8_gemm{gemm_op, gemm_op.schema().arguments().size() == 11, step, zero_point, amx_min_rows};
   x = x.contiguous().clone();  // the residual stream, updated in place
   cos = cos.contiguous(), sin = sin.contiguous();
   float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   auto s = at::empty({T}, x.options());  // the current GEMM input's row scales
   float* sp = s.data_ptr<float>();
   auto unit = at::empty({T * std::max({hidden, HD, inter})}, x.options());  // the current GEMM input [T, n], in [-1, 1]
   float* up = unit.data_ptr<float>();
-  auto gemm_input = [&](int64_t n) { return unit.narrow(0, 0, T * n).view({T, n}); };
-  auto row_of = [](const at::Tensor& y, int64_t t) { return y.data_ptr<float>() + t * y.size(1); };  // a GEMM output's
-  // every phase between two calls works row by row (each_row): row t's GEMM input goes to up + t * n, its scale to sp[t]
-  auto qkv = at::empty({T, qkv_width}, x.options());
-  float* qp = qkv.data_ptr<float>();
-  auto act = at::empty({T, inter}, x.options());
-  float* ap = act.data_ptr<float>();
-  each_row(T, [&](int64_t t) {
-    scale_row(xp + t * hidden, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up + t * hidden,
-              sp + t);
+  const at::Tensor in_hidden = unit.narrow(0, 0, T * hidden).view({T, hidden});
+  const at::Tensor in_heads = unit.narrow(0, 0, T * HD).view({T, HD}), in_inter = unit.narrow(0, 0, T * inter).view({T, inter});
+  // the GEMMs' outputs, then the row-wise results
+  const at::Tensor y_qkv = at::empty({T, qkv_width}, x.options()), y_o = at::empty({T, hidden}, x.options());
+  const at::Tensor y_gate_up = at::empty({T, 2 * inter}, x.options()), y_down = at::empty({T, hidden}, x.options());
+  const at::Tensor qkv = at::empty({T, qkv_width}, x.options()), q = at::empty({T, heads, D}, x.options());
+  const at::Tensor attn = at::empty({T, HD}, x.options()), act = at::empty({T, inter}, x.options());
+  auto out = at::empty_like(x);
+  const at::Tensor tickets = at::zeros({L}, new_slots.options());  // each layer's attention work counter
+  std::vector<at::Tensor> k_layer, v_layer, ticket;
+  for (int64_t l = 0; l < L; ++l) k_layer.push_back(k.select(0, l)), v_layer.push_back(v.select(0, l)),
+                                  ticket.push_back(tickets.narrow(0, l, 1));
+  float *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>(), *ap = act.data_ptr<float>();
+  const float* attn_p = attn.data_ptr<float>();
+  const int64_t kv_row = kv_heads * D, slot_stride = k.size(1) * kv_row;
+  run_team([&](Team& team, int64_t thread) {
+    const int64_t threads = team.size();
+    // f(t) for this thread's rows, then wait for the others
+    auto rows = [&](const auto& f) {
+      for (int64_t t = T * thread / threads; t < T * (thread + 1) / threads; ++t) f(t);
+      team.wait();
+    };
+    rows([&](int64_t t) {
+      scale_row(xp + t * hidden, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up + t * hidden,
+                sp + t);
+    });
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = weights.data() + l * INT8_TENSORS_PER_LAYER;
+      const float *post_norm = w[1].data_ptr<float>(), *o_in = w[3].data_ptr<float>(), *gate_up_in = w[4].data_ptr<float>();
+      const float *down_in = w[5].data_ptr<float>(), *bias = w[6].data_ptr<float>();
+      // qkv: rescale, + bias, RoPE into q and the cache's new slots; row attention
+      int8_gemm(in_hidden, w + 7, y_qkv, thread, threads);
+      team.wait();
+      float *k_l = k.data_ptr<float>() + l * slot_stride, *v_l = v.data_ptr<float>() + l * slot_stride;
+      rows([&](int64_t t) {
+        const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
+        float* row = qkv_p + t * qkv_width;
+        for (int64_t i = 0; i < qkv_width; ++i) row[i] = y[i] * sp[t] + bias[i];
+        rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row, v_l + ns[t] * kv_row);
+      });
+      attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, ticket[l], threads);  // [T, H * D]
+      team.wait();
+      rows([&](int64_t t) { scale_row(attn_p + t * HD, HD, nullptr, eps, o_in, up + t * HD, sp + t); });
+      // o: residual, post norm, gate_up
+      int8_gemm(in_heads, w + 10, y_o, thread, threads);
+      team.wait();
+      rows([&](int64_t t) {
+        const float* y = y_o.data_ptr<float>() + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
+        scale_row(xp + t * hidden, hidden, post_norm, eps, gate_up_in, up + t * hidden, sp + t);
+      });
+      // SiLU(gate) * up, down, residual, the next layer's input norm (after the last layer the final norm)
+      int8_gemm(in_hidden, w + 13, y_gate_up, thread, threads);  // [T, 2 I]
+      team.wait();
+      rows([&](int64_t t) {
+        const float* y = y_gate_up.data_ptr<float>() + t * 2 * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = y[i] * sp[t];
+          ap[t * inter + i] = g / (1.f + std::exp(-g)) * (y[inter + i] * sp[t]);
+        }
+        scale_row(ap + t * inter, inter, nullptr, eps, down_in, up + t * inter, sp + t);
+      });
+      int8_gemm(in_inter, w + 16, y_down, thread, threads);
+      team.wait();
+      const at::Tensor* next = l + 1 < L ? w + INT8_TENSORS_PER_LAYER : nullptr;
+      rows([&](int64_t t) {
+        const float* y = y_down.data_ptr<float>() + t * hidden;
+        float* r = xp + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) r[i] += y[i] * sp[t];
+        if (next != nullptr) {
+          scale_row(r, hidden, next[0].data_ptr<float>(), eps, next[2].data_ptr<float>(), up + t * hidden, sp + t);
+        } else {
+          norm_row(r, hidden, final_norm.data_ptr<float>(), eps, out.data_ptr<float>() + t * hidden);
+        }
+      });
+    }
   });
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + l * INT8_TENSORS_PER_LAYER;
-    const float *post_norm = w[1].data_ptr<float>(), *o_in = w[3].data_ptr<float>(), *gate_up_in = w[4].data_ptr<float>();
-    const float *down_in = w[5].data_ptr<float>(), *bias = w[6].data_ptr<float>();
-    // qkv: rescale, + bias, RoPE, KV write and row attention
-    const at::Tensor y_qkv = int8_gemm(gemm_input(hidden), w + 7);
-    each_row(T, [&](int64_t t) {
-      const float* y = row_of(y_qkv, t);
-      for (int64_t i = 0; i < qkv_width; ++i) qp[t * qkv_width + i] = y[i] * sp[t] + bias[i];
-    });
-    at::Tensor q, kn, vn;
-    rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
-    const at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
-                                        scale);  // [T, H * D]
-    const float* attn_p = attn.data_ptr<float>();
-    each_row(T, [&](int64_t t) { scale_row(attn_p + t * HD, HD, nullptr, eps, o_in, up + t * HD, sp + t); });
-    // o: residual, post norm, gate_up
-    const at::Tensor y_o = int8_gemm(gemm_input(HD), w + 10);
-    each_row(T, [&](int64_t t) {
-      const float* y = row_of(y_o, t);
-      for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
-      scale_row(xp + t * hidden, hidden, post_norm, eps, gate_up_in, up + t * hidden, sp + t);
-    });
-    // SiLU(gate) * up, down, residual, the next layer's input norm
-    const at::Tensor y_gate_up = int8_gemm(gemm_input(hidden), w + 13);  // [T, 2 I]
-    each_row(T, [&](int64_t t) {
-      const float* y = row_of(y_gate_up, t);
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = y[i] * sp[t];
-        ap[t * inter + i] = g / (1.f + std::exp(-g)) * (y[inter + i] * sp[t]);
-      }
-      scale_row(ap + t * inter, inter, nullptr, eps, down_in, up + t * inter, sp + t);
-    });
-    const at::Tensor y_down = int8_gemm(gemm_input(inter), w + 16);
-    const at::Tensor* next = l + 1 < L ? w + INT8_TENSORS_PER_LAYER : nullptr;
-    each_row(T, [&](int64_t t) {
-      const float* y = row_of(y_down, t);
-      for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
-      if (next != nullptr)
-        scale_row(xp + t * hidden, hidden, next[0].data_ptr<float>(), eps, next[2].data_ptr<float>(), up + t * hidden,
-                  sp + t);
-    });
-  }
-  return rms_norm(x, final_norm, eps);
+  return out;
 }
 
 // The op: `linear` for DenseLinear's one-row calls (pipeline/reference/linear.py)

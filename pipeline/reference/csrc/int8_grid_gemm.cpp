@@ -158,58 +158,91 @@ void amx_configure(int64_t R) {
   _tile_loadconfig(&config);
 }
 
+// Groups [g0, g1) of a call's output channels: xq [Mp, Kp] the rows rounded on the grid (Mp: M, or M padded to
+// whole AMX tiles where `amx`), wp the packed weight, out [M, N].
+void gemm_groups(const uint8_t* qp, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* off, const float* mul,
+                 float* op, int64_t N, int64_t g0, int64_t g1, bool amx) {
+  const int64_t K4 = Kp / 4;
+  if (amx) {  // whole 16-row tiles (xq's padding rows hold the zero point; their sums are not stored)
+    amx_configure(AMX_ROWS);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < M; m += AMX_ROWS)
+        amx_group_rows(std::min(AMX_ROWS, M - m), qp + m * Kp, Kp, wp + g * K4 * GROUP * 4, off, mul, op + m * N, N, g * GROUP);
+    _tile_release();
+    return;
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* w = wp + g * K4 * GROUP * 4;
+    for (int64_t m = 0; m < M; m += MAX_ROWS) {
+      const uint8_t* xr = qp + m * Kp;
+      float* orow = op + m * N;
+      switch (std::min<int64_t>(MAX_ROWS, M - m)) {
+        case 1: group_rows<1>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        case 2: group_rows<2>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        case 3: group_rows<3>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        case 4: group_rows<4>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        case 5: group_rows<5>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+        default: group_rows<6>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
+      }
+    }
+  }
+}
+
+// One call's input checked and rounded on the grid: xq [Mp, Kp] uint8, and whether the call runs on AMX tiles.
+struct Rounded {
+  at::Tensor xq;
+  bool amx;
+};
+
+Rounded round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features, double step,
+                    int64_t zero_point, int64_t amx_min_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(K == in_features && Kp >= K && packed.size(0) * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ",
+              in_features);
+  const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_permitted();
+  const int64_t Mp = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // AMX reads whole 16-row tiles
+  auto xq = at::empty({Mp, Kp}, x.options().dtype(at::kByte));
+  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xq.data_ptr<uint8_t>());
+  std::fill(xq.data_ptr<uint8_t>() + M * Kp, xq.data_ptr<uint8_t>() + Mp * Kp, uint8_t(zero_point));
+  return {xq, amx};
+}
+
 }  // namespace
 
 // x_unit float32 [M, K] -> float32 [M, N]; packed = int8 [ceil(N / 64), ceil(K / 64) * 16, 64, 4] (int8_grid_gemm.pack);
 // offset = zero_point * column sums (int32 [N]),
 // multiplier = float(step * channel scale) ([N]).
 at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
-                        int64_t in_features, double step, int64_t zero_point, int64_t amx_min_rows) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0);
-  const int64_t G = packed.size(0), K4 = packed.size(1), Kp = K4 * 4;
-  TORCH_CHECK(K == in_features && Kp >= K && G * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ", in_features);
-  const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_permitted();
-  const int64_t Mp = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // AMX reads whole 16-row tiles
-  auto xq = at::empty({Mp, Kp}, x.options().dtype(at::kByte));
-  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xq.data_ptr<uint8_t>());
-  std::fill(xq.data_ptr<uint8_t>() + M * Kp, xq.data_ptr<uint8_t>() + Mp * Kp, uint8_t(zero_point));
+                     int64_t in_features, double step, int64_t zero_point, int64_t amx_min_rows) {
+  const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
+  const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4;
   auto out = at::empty({M, N}, x.options());
-  const uint8_t* qp = xq.data_ptr<uint8_t>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* off = offset.data_ptr<int32_t>();
-  const float* mul = multiplier.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    if (amx) {  // whole 16-row tiles (xq's padding rows hold the zero point; their sums are not stored)
-      amx_configure(AMX_ROWS);
-      for (int64_t g = g0; g < g1; ++g)
-        for (int64_t m = 0; m < M; m += AMX_ROWS)
-          amx_group_rows(std::min(AMX_ROWS, M - m), qp + m * Kp, Kp, wp + g * K4 * GROUP * 4, off, mul, op + m * N, N, g * GROUP);
-      _tile_release();
-      return;
-    }
-    for (int64_t g = g0; g < g1; ++g) {
-      const int8_t* w = wp + g * K4 * GROUP * 4;
-      for (int64_t m = 0; m < M; m += MAX_ROWS) {
-        const uint8_t* xr = qp + m * Kp;
-        float* orow = op + m * N;
-        switch (std::min<int64_t>(MAX_ROWS, M - m)) {
-          case 1: group_rows<1>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-          case 2: group_rows<2>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-          case 3: group_rows<3>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-          case 4: group_rows<4>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-          case 5: group_rows<5>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-          default: group_rows<6>(xr, Kp, w, K4, off, mul, orow, N, g * GROUP); break;
-        }
-      }
-    }
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1, in.amx);
   });
   return out;
+}
+
+// grid_gemm's share `part` of `parts` (its output channel groups, in order) written into out [M, N]: what one thread
+// of a team computes (csrc/fused_layers.cpp), each thread rounding the input itself. A channel's result does not
+// depend on the split.
+void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
+                    double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, int64_t part, int64_t parts) {
+  const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
+  const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
+              && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
+  TORCH_CHECK(0 <= part && part < parts, "grid_gemm_into: part ", part, " of ", parts);
+  gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+              multiplier.data_ptr<float>(), out.data_ptr<float>(), N, G * part / parts, G * (part + 1) / parts, in.amx);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point, int amx_min_rows) -> Tensor",
         &grid_gemm);
+  m.def("int8_grid_gemm_into(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, "
+        "int zero_point, int amx_min_rows, Tensor(a!) out, int part, int parts) -> ()", &grid_gemm_into);
 }

@@ -83,48 +83,74 @@ void round_on_grid(const float* x, int64_t M, int64_t K, int64_t Kp, float step,
   }
 }
 
+// Groups [g0, g1) of a call's output channels: xs [M, Kp] the rows' 16-bit grid values, wp the packed weight,
+// out [M, N].
+void gemm_groups(const int16_t* qp, int64_t M, int64_t Kp, const int8_t* wp, const int32_t* off, const float* mul,
+                 float* op, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* w = wp + g * Kp * GROUP;
+    for (int64_t m = 0; m < M; m += MAX_ROWS) {
+      const int16_t* xr = qp + m * Kp;
+      float* orow = op + m * N;
+      switch (std::min<int64_t>(MAX_ROWS, M - m)) {
+        case 1: group_rows<1>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        case 2: group_rows<2>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        case 3: group_rows<3>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        case 4: group_rows<4>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        case 5: group_rows<5>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+        default: group_rows<6>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
+      }
+    }
+  }
+}
+
+// One call's input checked and rounded on the grid: int16 [M, Kp]
+at::Tensor round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features,
+                       double step, int64_t zero_point) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4, "grid_gemm: packed for groups of ",
+              packed.size(2), " channels, this kernel takes ", GROUP);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(K == in_features && Kp >= K && packed.size(0) * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ",
+              in_features);
+  auto xs = at::empty({M, Kp}, x.options().dtype(at::kShort));
+  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xs.data_ptr<int16_t>());
+  return xs;
+}
+
 }  // namespace
 
 // x_unit float32 [M, K] -> float32 [M, N]; packed = int8 [ceil(N / 8), ceil(K / 4), 8, 4] (int8_grid_gemm.pack);
 // offset = zero_point * column sums (int32 [N]), multiplier = float(step * channel scale) ([N]).
 at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier,
                           int64_t in_features, double step, int64_t zero_point) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4, "grid_gemm: packed for groups of ",
-              packed.size(2), " channels, this kernel takes ", GROUP);
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0);
-  const int64_t G = packed.size(0), Kp = packed.size(1) * 4;
-  TORCH_CHECK(K == in_features && Kp >= K && G * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ", in_features);
-  auto xs = at::empty({M, Kp}, x.options().dtype(at::kShort));
-  round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xs.data_ptr<int16_t>());
+  const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
+  const int64_t M = x.size(0), N = offset.size(0);
   auto out = at::empty({M, N}, x.options());
-  const int16_t* qp = xs.data_ptr<int16_t>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* off = offset.data_ptr<int32_t>();
-  const float* mul = multiplier.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int8_t* w = wp + g * Kp * GROUP;
-      for (int64_t m = 0; m < M; m += MAX_ROWS) {
-        const int16_t* xr = qp + m * Kp;
-        float* orow = op + m * N;
-        switch (std::min<int64_t>(MAX_ROWS, M - m)) {
-          case 1: group_rows<1>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-          case 2: group_rows<2>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-          case 3: group_rows<3>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-          case 4: group_rows<4>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-          case 5: group_rows<5>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-          default: group_rows<6>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
-        }
-      }
-    }
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);
   });
   return out;
+}
+
+// grid_gemm_avx2's share `part` of `parts` (its output channel groups, in order) written into out [M, N]: what one
+// thread of a team computes (csrc/fused_layers.cpp), each thread rounding the input itself.
+void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
+                         double step, int64_t zero_point, at::Tensor out, int64_t part, int64_t parts) {
+  const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
+  const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
+              && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
+  TORCH_CHECK(0 <= part && part < parts, "grid_gemm_into: part ", part, " of ", parts);
+  gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+              multiplier.data_ptr<float>(), out.data_ptr<float>(), N, G * part / parts, G * (part + 1) / parts);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("int8_grid_gemm_avx2(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point) -> Tensor",
         &grid_gemm_avx2);
+  m.def("int8_grid_gemm_avx2_into(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, "
+        "float step, int zero_point, Tensor(a!) out, int part, int parts) -> ()", &grid_gemm_avx2_into);
 }

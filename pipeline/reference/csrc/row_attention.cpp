@@ -21,7 +21,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -356,66 +355,79 @@ static void check_cache(const at::Tensor& k, const at::Tensor& v, const char* op
               && k.is_contiguous() && v.is_contiguous(), op, ": k and v must be float32 [slots, kv_heads, head_size], contiguous");
 }
 
-// q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
-// slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
-at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
-                         at::Tensor lengths, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "row_attention: q must be float32 [rows, heads, head_size]");
-  check_cache(k, v, "row_attention");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
-              "row_attention: slots, starts and lengths must be int64");
-  q = q.contiguous();
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(k.size(2) == D && D % LANES == 0 && D <= MAX_HEAD_SIZE, "row_attention: head_size ", D,
-              " must match the cache and be a multiple of 16, at most 256");
-  TORCH_CHECK(H % KVH == 0, "row_attention: ", H, " query heads over ", KVH, " KV heads");
-  TORCH_CHECK(starts.numel() == R && lengths.numel() == R, "row_attention: one start and one length per row");
-  const int64_t group = H / KVH, kv_stride = KVH * D;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  slots = slots.contiguous(), starts = starts.contiguous(), lengths = lengths.contiguous();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* ln = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "row_attention: slot ", sp[i], " is not in the cache");
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(ln[r] > 0 && st[r] >= 0 && st[r] + ln[r] <= slots.numel(), "row_attention: row ", r, "'s keys are out of range");
-  auto out = at::empty({R, H * D}, q.options());
-  float* op = out.data_ptr<float>();
-  // work items: up to ROWS_PER_ITEM consecutive rows with the same start (a sequence's new tokens) times one KV head;
-  // an item's pairs share their key and value loads. A prefill's rows split into many items, so its score scratch
-  // stays in the cache, a row computes no scores past its own keys' block, and both threads get work.
-  std::vector<int64_t> first;  // first row of each item, then R
-  for (int64_t r = 0; r < R; ++r)
-    if (r == 0 || st[r] != st[r - 1] || r - first.back() == ROWS_PER_ITEM) first.push_back(r);
-  first.push_back(R);
-  // A verify of one or two sequences gives fewer items than twice the threads (SmolLM2: 3 KV heads on 2 threads, one
-  // thread idle a third of the time): then a KV head's query heads split into parts, each an item. A part re-reads
-  // its KV head's keys, which paid for verify rows and not for a single row (docs/benchmarks.md); a pair's result does
-  // not depend on the other pairs of its item, so the bits stay.
-  const int64_t row_groups = int64_t(first.size()) - 1, threads = at::get_num_threads();
-  const int64_t wanted = row_groups * KVH >= 2 * threads || R == row_groups ? 1
-                         : std::min(group, (2 * threads + row_groups * KVH - 1) / (row_groups * KVH));
-  const int64_t heads_per_part = (group + wanted - 1) / wanted, parts = (group + heads_per_part - 1) / heads_per_part;
-  const int64_t per_group = KVH * parts;  // items per row group
-  const int64_t items = row_groups * per_group;
-  // handed out one at a time, longest keys first (a prefill's later rows cost more): which thread computes a row
-  // never changes its bits
-  std::vector<int64_t> order(items);
-  for (int64_t u = 0; u < items; ++u) order[u] = u;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return ln[first[a / per_group + 1] - 1] > ln[first[b / per_group + 1] - 1];
-  });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, threads), 1, [&](int64_t, int64_t) {
+// One call of the row attention: its inputs checked, and its work items. An item is up to ROWS_PER_ITEM consecutive
+// rows with the same start (a sequence's new tokens) times one KV head (or part of its query heads, below); an
+// item's pairs share their key and value loads. A prefill's rows split into many items, so its score scratch stays
+// in the cache, a row computes no scores past its own keys' block, and every thread gets work.
+struct Call {
+  at::Tensor q, k, v, slots, starts, lengths;
+  int64_t R, H, D, KVH, group;
+  double scale;
+  std::vector<int64_t> first;  // first row of each row group, then R
+  std::vector<int64_t> order;  // the items, longest keys first (a prefill's later rows cost more)
+  int64_t parts, heads_per_part, per_group, items;
+
+  // q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
+  // slots[starts[r] : starts[r] + lengths[r]] (int64); the items planned for `threads` threads.
+  Call(at::Tensor q_, at::Tensor k_, at::Tensor v_, at::Tensor slots_, at::Tensor starts_, at::Tensor lengths_,
+       double scale_, int64_t threads)
+      : q(q_.contiguous()), k(k_), v(v_), slots(slots_.contiguous()), starts(starts_.contiguous()),
+        lengths(lengths_.contiguous()), scale(scale_) {
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "row_attention: q must be float32 [rows, heads, head_size]");
+    check_cache(k, v, "row_attention");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong
+                && lengths.scalar_type() == at::kLong, "row_attention: slots, starts and lengths must be int64");
+    R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+    TORCH_CHECK(k.size(2) == D && D % LANES == 0 && D <= MAX_HEAD_SIZE, "row_attention: head_size ", D,
+                " must match the cache and be a multiple of 16, at most 256");
+    TORCH_CHECK(H % KVH == 0, "row_attention: ", H, " query heads over ", KVH, " KV heads");
+    TORCH_CHECK(starts.numel() == R && lengths.numel() == R, "row_attention: one start and one length per row");
+    group = H / KVH;
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* st = starts.data_ptr<int64_t>();
+    const int64_t* ln = lengths.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slots.numel(); ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "row_attention: slot ", sp[i], " is not in the cache");
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(ln[r] > 0 && st[r] >= 0 && st[r] + ln[r] <= slots.numel(), "row_attention: row ", r,
+                  "'s keys are out of range");
+    for (int64_t r = 0; r < R; ++r)
+      if (r == 0 || st[r] != st[r - 1] || r - first.back() == ROWS_PER_ITEM) first.push_back(r);
+    first.push_back(R);
+    // A verify of one or two sequences gives fewer items than twice the threads (SmolLM2: 3 KV heads on 2 threads,
+    // one thread idle a third of the time): then a KV head's query heads split into parts, each an item. A part
+    // re-reads its KV head's keys, which paid for verify rows and not for a single row (docs/benchmarks.md); a pair's
+    // result does not depend on the other pairs of its item, so the bits stay.
+    const int64_t row_groups = int64_t(first.size()) - 1;
+    const int64_t wanted = row_groups * KVH >= 2 * threads || R == row_groups ? 1
+                           : std::min(group, (2 * threads + row_groups * KVH - 1) / (row_groups * KVH));
+    heads_per_part = (group + wanted - 1) / wanted, parts = (group + heads_per_part - 1) / heads_per_part;
+    per_group = KVH * parts;  // items per row group
+    items = row_groups * per_group;
+    // handed out one at a time, longest keys first: which thread computes a row never changes its bits
+    order.resize(items);
+    for (int64_t u = 0; u < items; ++u) order[u] = u;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return ln[first[a / per_group + 1] - 1] > ln[first[b / per_group + 1] - 1];
+    });
+  }
+
+  // Compute items into out [R, H * D] until none is left: each taken from the counter `next` (shared by every
+  // thread working on this call).
+  void work(int64_t* next, float* op) const {
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const int64_t* st = starts.data_ptr<int64_t>();
+    const int64_t* ln = lengths.data_ptr<int64_t>();
     std::vector<float> scores;
     alignas(64) float kt[MAX_HEAD_SIZE * LANES];
     std::vector<const float*> qs;
     std::vector<float*> os;
     std::vector<int64_t> lens;
-    for (int64_t i = next++; i < items; i = next++) {
+    for (int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); i < items;
+         i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) {
       const int64_t u = order[i], gi = u / per_group, g = u % per_group / parts, part = u % parts;
       const int64_t h0 = g * group + part * heads_per_part, h1 = std::min((g + 1) * group, h0 + heads_per_part);
       qs.clear(), os.clear(), lens.clear();
@@ -431,10 +443,34 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
       const int64_t s_stride = (longest_here + LANES - 1) / LANES * LANES;
       scores.resize(qs.size() * s_stride);
       kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[first[gi]],
-              kv_stride, D, float(scale), scores.data(), s_stride, kt);
+              KVH * D, D, float(scale), scores.data(), s_stride, kt);
     }
-  });
+  }
+};
+
+// q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
+// slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
+at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
+                         at::Tensor lengths, double scale) {
+  const int64_t threads = at::get_num_threads();
+  const Call call(q, k, v, slots, starts, lengths, scale, threads);
+  auto out = at::empty({call.R, call.H * call.D}, call.q.options());
+  int64_t next = 0;
+  at::parallel_for(0, std::min<int64_t>(call.items, threads), 1,
+                   [&](int64_t, int64_t) { call.work(&next, out.data_ptr<float>()); });
   return out;
+}
+
+// row_attention into out [R, H * D], computed by the `parts` threads of a team (csrc/fused_layers.cpp) that each
+// call it with the same arguments: they take the work items from the shared counter ticket (int64, 0 before the
+// first call); a row's bits do not depend on which thread computes it.
+void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
+                        at::Tensor lengths, double scale, at::Tensor out, at::Tensor ticket, int64_t parts) {
+  const Call call(q, k, v, slots, starts, lengths, scale, parts);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == call.R
+              && out.size(1) == call.H * call.D, "row_attention_into: out must be contiguous float32 [rows, heads * head_size]");
+  TORCH_CHECK(ticket.scalar_type() == at::kLong && ticket.numel() == 1, "row_attention_into: ticket must be one int64");
+  call.work(ticket.data_ptr<int64_t>(), out.data_ptr<float>());
 }
 
 // The new tokens' keys and values k_new, v_new float32 [T, KVH, D] (each row contiguous, rows at any stride) stored
@@ -468,4 +504,6 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "float scale) -> Tensor", &row_attention);
   m.def(OP_NAME("write_and_attend") "(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, "
         "Tensor(b!) v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend);
+  m.def(OP_NAME("row_attention_into") "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
+        "float scale, Tensor(a!) out, Tensor(b!) ticket, int parts) -> ()", &row_attention_into);
 }
