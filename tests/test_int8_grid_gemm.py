@@ -123,34 +123,39 @@ def test_the_kernel_names_a_bad_input(isa, amx_min_rows):
         kernel(torch.zeros(2, 32, dtype=torch.float64))
 
 
-def gemm_share(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor, part: int, parts: int) -> None:
-    """The kernel's `_into` op: share `part` of `parts` of the call written into out (what one thread of a fused
-    forward's team computes, csrc/fused_layers.cpp)."""
+
+def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor, tickets: torch.Tensor) -> None:
+    """The kernel's `_into` op as one thread of a fused forward's team calls it (csrc/fused_layers.cpp): the channel
+    groups left in phase 0 of `tickets` (csrc/shared_items.h: [next, finished, count]) written into out."""
     args = (x_unit, kernel.packed, kernel.offset, kernel.multiplier, kernel.in_features, kernel.step, kernel.zero_point)
     if kernel.isa is VNNI:
-        torch.ops.specdeploy.int8_grid_gemm_into(*args, kernel.amx_min_rows, out, part, parts)
+        torch.ops.specdeploy.int8_grid_gemm_into(*args, kernel.amx_min_rows, out, tickets, 0)
     else:
-        torch.ops.specdeploy.int8_grid_gemm_avx2_into(*args, out, part, parts)
+        torch.ops.specdeploy.int8_grid_gemm_avx2_into(*args, out, tickets, 0)
 
 
 @KERNELS
-def test_a_teams_shares_of_a_call_write_each_channel_once_with_the_calls_bits(isa, amx_min_rows):
-    """Each share writes whole output channels, no two shares the same one, and together they are the call's result
-    bit for bit, for any number of shares (more shares than channel groups leaves some empty)."""
+def test_a_team_thread_computes_the_groups_left_with_the_calls_bits(isa, amx_min_rows):
+    """A caller takes the output channel groups that the team's other threads have not taken (here: the first `taken`
+    of them, as the counter says), computes them with the call's bits and counts them finished; a caller that finds
+    none left writes nothing."""
     q, scale = random_weight(200, 96, seed=5)  # 4 groups of 64 channels on VNNI, 25 of 8 on AVX2
     kernel = packed(q, scale, isa, amx_min_rows)
     x_unit = torch.rand(7, 96, generator=torch.Generator().manual_seed(2)) * 2 - 1
     want = kernel(x_unit)
-    for parts in (1, 2, 3, 5, 30):
-        whole, writes = torch.full_like(want, float("nan")), torch.zeros(want.shape[1], dtype=torch.long)
-        for part in range(parts):
-            share = torch.full_like(want, float("nan"))
-            gemm_share(kernel, x_unit, share, part, parts)
-            columns = ~share.isnan().all(dim=0)
-            assert not share[:, columns].isnan().any()  # whole channels, every row
-            whole[:, columns], writes[columns] = share[:, columns], writes[columns] + 1
-        assert writes.eq(1).all() and torch.equal(whole, want)
-    with pytest.raises(RuntimeError, match="part 3 of 3"):
-        gemm_share(kernel, x_unit, torch.empty_like(want), 3, 3)
+    width = kernel.packed.shape[2]  # channels per group
+    groups = kernel.packed.shape[0]
+    for taken in range(groups + 1):
+        out, tickets = torch.full_like(want, float("nan")), torch.zeros(1, 8, dtype=torch.long)
+        tickets[0, 0] = taken
+        gemm_into(kernel, x_unit, out, tickets)
+        assert out[:, :taken * width].isnan().all()  # the groups another thread took
+        assert torch.equal(out[:, taken * width:], want[:, taken * width:])
+        assert tickets[0, 1].item() == groups - taken and tickets[0, 2].item() == groups  # finished, count
+        again = torch.full_like(want, float("nan"))
+        gemm_into(kernel, x_unit, again, tickets)
+        assert again.isnan().all() and tickets[0, 1].item() == groups - taken
+    with pytest.raises(RuntimeError, match="tickets must be contiguous int64"):
+        gemm_into(kernel, x_unit, torch.empty_like(want), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="out must be contiguous float32"):
-        gemm_share(kernel, x_unit, torch.empty(7, 199), 0, 1)
+        gemm_into(kernel, x_unit, torch.empty(7, 199), torch.zeros(1, 8, dtype=torch.long))

@@ -110,30 +110,38 @@ def test_a_verifys_query_heads_split_across_threads_keep_their_bits(heads, kv_he
 
 
 @ISAS
-def test_a_teams_threads_take_the_work_items_from_one_counter_and_keep_the_bits(isa):
-    """row_attention_into, as each thread of a fused forward's team calls it (csrc/fused_layers.cpp): every caller plans
-    the same work items for `parts` threads and takes them from the shared counter `ticket`, so whichever caller takes
-    which item, together they write row_attention's result. Here the callers run one after the other: the first takes
-    every item, the others find none left."""
+def test_a_team_thread_computes_the_work_items_left_with_the_calls_bits(isa):
+    """row_attention_into, as each thread of a fused forward's team calls it (csrc/fused_layers.cpp): every caller
+    plans the same work items and takes those left in its phase of the shared tickets (csrc/shared_items.h: [next,
+    finished, count]). Whichever callers take which items, together they write row_attention's result; a caller that
+    finds none left writes nothing."""
     attend = functools.partial(row_attention.row_attention, isa=isa)
     into = row_attention._op("row_attention_into", isa)
     g = torch.Generator().manual_seed(11)
     k, v = torch.randn(128, 3, 64, generator=g), torch.randn(128, 3, 64, generator=g)
     q = torch.randn(26, 9, 64, generator=g) * 3  # a 20-row prompt (two row groups) and a 6-row verify
-    keys = (torch.randperm(128, generator=g), torch.tensor([0] * 20 + [20] * 6), torch.tensor(list(range(1, 21)) + list(range(90, 96))))
+    keys = (torch.randperm(128, generator=g), torch.tensor([0] * 20 + [20] * 6),
+            torch.tensor(list(range(1, 21)) + list(range(90, 96))))
     want = attend(q, k, v, keys, 0.125)
-    for parts in (1, 2, 3):
-        out, ticket = torch.full_like(want, float("nan")), torch.zeros(1, dtype=torch.long)
-        into(q, k, v, *keys, 0.125, out, ticket, parts)
-        assert torch.equal(out, want)
-        taken = ticket.item()
-        for _ in range(parts - 1):
-            into(q, k, v, *keys, 0.125, out, ticket, parts)
-        assert ticket.item() == taken + parts - 1  # each later caller found no item left
-    with pytest.raises(RuntimeError, match="ticket must be one int64"):
-        into(q, k, v, *keys, 0.125, out, torch.zeros(2, dtype=torch.long), 2)
+    for threads in (1, 2, 3):  # the plan's items (a KV head's query heads split for more threads)
+        out, tickets = torch.full_like(want, float("nan")), torch.zeros(2, 8, dtype=torch.long)
+        into(q, k, v, *keys, 0.125, out, tickets, 1, threads)
+        assert torch.equal(out, want) and tickets[0].eq(0).all()  # phase 1's row only
+        items = tickets[1, 2].item()
+        assert tickets[1, 1].item() == items >= 6
+        for taken in range(items):  # the first `taken` items went to another thread: some rows' heads stay unwritten
+            part, tickets = torch.full_like(want, float("nan")), torch.zeros(1, 8, dtype=torch.long)
+            tickets[0, 0] = taken
+            into(q, k, v, *keys, 0.125, part, tickets, 0, threads)
+            written = ~part.isnan()
+            assert torch.equal(part[written], want[written]) and (taken == 0) == bool(written.all())
+            out = torch.full_like(want, float("nan"))
+            into(q, k, v, *keys, 0.125, out, tickets, 0, threads)
+            assert out.isnan().all()
+    with pytest.raises(RuntimeError, match="tickets must be contiguous int64"):
+        into(q, k, v, *keys, 0.125, out, torch.zeros(2, 8, dtype=torch.long), 2, 2)
     with pytest.raises(RuntimeError, match="out must be contiguous float32"):
-        into(q, k, v, *keys, 0.125, out[:, :64], torch.zeros(1, dtype=torch.long), 2)
+        into(q, k, v, *keys, 0.125, out[:, :64], torch.zeros(1, 8, dtype=torch.long), 0, 2)
 
 
 @ISAS

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +69,20 @@ def loaded(build: Build) -> bool:
         from torch.utils.cpp_extension import load_inline
         folder = build_directory(build)
         with _build_lock(folder):
-            load_inline(name, cpp_sources=[(SOURCES / f"{build.source}.cpp").read_text()], build_directory=str(folder),
+            load_inline(name, cpp_sources=[source_text(build)], build_directory=str(folder),
                         extra_cflags=[*build.flags, *OPENMP], extra_ldflags=list(OPENMP), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the caller's fallback still works
         log.warning("could not build the %s kernel (%s); its fallback runs", build.library, error)
         return False
     return True
+
+
+def source_text(build: Build) -> str:
+    """The build's source with each `#include "<name>.h"` replaced by csrc/<name>.h's text: torch's loader compiles
+    the text it is given and rebuilds when that text changes, so a header edit rebuilds every source that includes
+    it."""
+    return re.sub(r'^#include "(\w+\.h)"$', lambda m: (SOURCES / m.group(1)).read_text(),
+                  (SOURCES / f"{build.source}.cpp").read_text(), flags=re.MULTILINE)
 
 
 def build_directory(build: Build) -> Path:

@@ -32,6 +32,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "shared_items.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -50,33 +52,24 @@ void each_row(int64_t T, const F& f) {
   });
 }
 
-// Thrown out of Team::wait on the threads that a failed thread left waiting.
+// Thrown out of Team::wait_for on the threads that a failed thread left waiting.
 struct Abandoned {};
 
-// The threads of one parallel region that runs a whole forward (`run_team`): every thread computes its share of each
-// phase (a GEMM's output channels, the attention's work items, rows), then waits for the others on a spinning
-// barrier. Separate parallel regions per phase cost a forward 150-300 OpenMP fork/joins, and under
-// OMP_WAIT_POLICY=PASSIVE (as served: idle OpenMP threads sleep) each one wakes a sleeping thread: SmolLM2's one-token
-// step took 11.5 ms on two threads that way against 7.7 with threads that spin (docs/benchmarks.md). A team's threads
-// spin only inside a forward; between forwards they sleep as the policy says.
+// The threads of one parallel region that runs a whole forward (`run_team`). Each phase (a GEMM, the attention, the
+// row-wise work between them) is a set of items the threads take from a shared counter (shared_items.h); a thread
+// that finds none left waits, spinning, until every item is finished, then goes on to the next phase. Separate
+// parallel regions per phase cost a forward 150-300 OpenMP fork/joins, and under OMP_WAIT_POLICY=PASSIVE (as served:
+// idle OpenMP threads sleep) each one wakes a sleeping thread: SmolLM2's one-token step took 11.5 ms on two threads
+// that way against 7.7 with threads that spin (docs/benchmarks.md). A team's threads spin only inside a forward, and
+// a thread that lost its core to another process (the server's and client's, on a small host) holds up a phase by
+// at most the item it holds: the others take the rest, where a barrier would wait for it.
 class Team {
  public:
-  // Every thread of the region calls this first, with the region's thread count.
-  void join(int size) { size_.store(size, std::memory_order_relaxed); }
-  int size() const { return size_.load(std::memory_order_relaxed); }
-
-  // Return once every thread has called wait as often as this one (a generation count); throws Abandoned where a
-  // thread failed. After SPINS pauses a waiting thread yields its core at every check (a thread of the team lost
-  // its core to another process).
-  void wait() {
+  // Return once every item of the phase is finished; throws Abandoned where a thread failed. After SPINS pauses a
+  // waiting thread yields its core at every check.
+  void wait_for(const SharedItems& items) const {
     constexpr int64_t SPINS = 1 << 14;
-    const int generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size() - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
-      return;
-    }
-    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+    for (int64_t spins = 0; !items.finished(); ++spins) {
       if (failed_.load(std::memory_order_acquire)) throw Abandoned{};
       if (spins >= SPINS) std::this_thread::yield();
 #if defined(__x86_64__) || defined(__i386__)
@@ -88,13 +81,12 @@ class Team {
   void fail() { failed_.store(true, std::memory_order_release); }
 
  private:
-  std::atomic<int> size_{0}, arrived_{0}, generation_{0};
   std::atomic<bool> failed_{false};
 };
 
-// body(team, thread) on every thread of one parallel region of torch's thread count, with the caller's thread-local
-// state (inference mode and the like). The first exception of any thread releases the others from Team::wait and is
-// rethrown here.
+// body(team, threads) on every thread of one parallel region of torch's thread count, with the caller's thread-local
+// state (inference mode and the like). The first exception of any thread releases the others from Team::wait_for and
+// is rethrown here.
 template <typename F>
 void run_team(const F& body) {
   Team team;
@@ -103,10 +95,9 @@ void run_team(const F& body) {
   std::mutex error_lock;
 #pragma omp parallel
   {
-    team.join(omp_get_num_threads());
     const at::ThreadLocalStateGuard as_caller(caller);
     try {
-      body(team, omp_get_thread_num());
+      body(team, omp_get_num_threads());
     } catch (const Abandoned&) {
     } catch (...) {
       const std::lock_guard<std::mutex> guard(error_lock);
@@ -374,6 +365,10 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
   return drafts;
 }
 
+// A layer's phases in int8_sq_layers' team: the qkv GEMM, its rows (bias, RoPE, KV write), the attention, its rows
+// (the o GEMM's input), the o GEMM, its rows (residual, post norm), the gate_up GEMM, its rows (SiLU), the down GEMM,
+// its rows (residual, the next input norm)
+constexpr int64_t PHASES_PER_LAYER = 10;
 constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoother of the qkv, o, gate_up and down
                                                 // inputs; qkv bias; (packed, offset, multiplier) of qkv, o, gate_up, down
 
@@ -392,9 +387,9 @@ void scale_row(const float* r, int64_t n, const float* norm, double eps, const f
 
 // The int8 GEMM's `_into` op (VNNI or AVX2 build, by name): one thread's share of a GEMM, looked up once per name
 using VnniSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t, at::Tensor,
-                           int64_t, int64_t);
-using Avx2Signature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, at::Tensor, int64_t,
-                           int64_t);
+                           at::Tensor, int64_t);
+using Avx2Signature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, at::Tensor,
+                           at::Tensor, int64_t);
 
 struct Int8Gemm {
   c10::OperatorHandle op;
@@ -402,27 +397,28 @@ struct Int8Gemm {
   double step;
   int64_t zero_point, amx_min_rows;
 
-  // out [T, out] (float32, unscaled) = x_unit [T, in] (rows already divided by their scale) times w's weight: this
-  // thread's share `part` of `parts`
-  void operator()(const at::Tensor& x_unit, const at::Tensor* w, const at::Tensor& out, int64_t part, int64_t parts) const {
+  // out [T, out] (float32, unscaled) = x_unit [T, in] (rows already divided by their scale) times w's weight: the
+  // channel groups this thread takes from phase `phase` of `tickets`
+  void operator()(const at::Tensor& x_unit, const at::Tensor* w, const at::Tensor& out, const at::Tensor& tickets,
+                  int64_t phase) const {
     if (vnni)
-      op.typed<VnniSignature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, amx_min_rows, out, part,
-                                     parts);
+      op.typed<VnniSignature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, amx_min_rows, out,
+                                     tickets, phase);
     else
-      op.typed<Avx2Signature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, out, part, parts);
+      op.typed<Avx2Signature>().call(x_unit, w[0], w[1], w[2], x_unit.size(1), step, zero_point, out, tickets, phase);
   }
 };
 
-// row_attention_into(q, k, v, slots, starts, lengths, scale, out, ticket, parts): one thread's share of the attention
+// row_attention_into(q, k, v, slots, starts, lengths, scale, out, tickets, phase, threads): the items one thread takes
 using AttendIntoSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, double,
-                                 at::Tensor, at::Tensor, int64_t);
+                                 at::Tensor, at::Tensor, int64_t, int64_t);
 
 // x float32 [T, hidden] (the embeddings) through every int8_sq layer and the final norm -> [T, hidden]. weights: 19 per
 // layer (INT8_TENSORS_PER_LAYER; float32 and contiguous, the int8 GEMMs' packed weights, int32 offsets and float32
 // multipliers as int8_grid_gemm.PackedInt8 holds them); k, v, new_slots, slots, starts, lengths: as dense_layers;
 // attention: the row attention's `_into` op; gemm: the int8 GEMM's `_into` op with its grid (step, zero_point) and
-// amx_min_rows (the VNNI build's). The whole forward is one team (`run_team`): its phases, each split over the
-// threads, are each GEMM (output channels), the attention (work items) and the work between them (rows).
+// amx_min_rows (the VNNI build's). The whole forward is one team (`run_team`): its phases, each taken item by item by
+// the threads, are each GEMM (output channel groups), the attention (work items) and the work between them (rows).
 at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
                           at::Tensor k, at::Tensor v, at::Tensor new_slots, at::Tensor slots, at::Tensor starts,
                           at::Tensor lengths, at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps,
@@ -471,19 +467,28 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   const at::Tensor qkv = at::empty({T, qkv_width}, x.options()), q = at::empty({T, heads, D}, x.options());
   const at::Tensor attn = at::empty({T, HD}, x.options()), act = at::empty({T, inter}, x.options());
   auto out = at::empty_like(x);
-  const at::Tensor tickets = at::zeros({L}, new_slots.options());  // each layer's attention work counter
-  std::vector<at::Tensor> k_layer, v_layer, ticket;
-  for (int64_t l = 0; l < L; ++l) k_layer.push_back(k.select(0, l)), v_layer.push_back(v.select(0, l)),
-                                  ticket.push_back(tickets.narrow(0, l, 1));
+  // the phases' shared items (shared_items.h): the first input norm, then PHASES_PER_LAYER per layer
+  const at::Tensor tickets = at::zeros({1 + PHASES_PER_LAYER * L, 8}, new_slots.options());
+  int64_t* tickets_p = tickets.data_ptr<int64_t>();
+  std::vector<at::Tensor> k_layer, v_layer;
+  for (int64_t l = 0; l < L; ++l) k_layer.push_back(k.select(0, l)), v_layer.push_back(v.select(0, l));
   float *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float* attn_p = attn.data_ptr<float>();
   const int64_t kv_row = kv_heads * D, slot_stride = k.size(1) * kv_row;
-  run_team([&](Team& team, int64_t thread) {
-    const int64_t threads = team.size();
-    // f(t) for this thread's rows, then wait for the others
-    auto rows = [&](const auto& f) {
-      for (int64_t t = T * thread / threads; t < T * (thread + 1) / threads; ++t) f(t);
-      team.wait();
+  run_team([&](Team& team, int64_t threads) {
+    int64_t phase = 0;
+    // every thread passes the phases in order: it takes what items are left of each, then waits for the rest
+    auto next_phase = [&] {
+      team.wait_for(SharedItems{tickets_p + phase * 8});
+      ++phase;
+    };
+    auto rows = [&](const auto& f) {  // f(t) for the rows this thread takes
+      SharedItems{tickets_p + phase * 8}.take(T, 1, [&](int64_t t, int64_t) { f(t); });
+      next_phase();
+    };
+    auto gemm = [&](const at::Tensor& input, const at::Tensor* w, const at::Tensor& y) {
+      int8_gemm(input, w, y, tickets, phase);
+      next_phase();
     };
     rows([&](int64_t t) {
       scale_row(xp + t * hidden, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up + t * hidden,
@@ -494,8 +499,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       const float *post_norm = w[1].data_ptr<float>(), *o_in = w[3].data_ptr<float>(), *gate_up_in = w[4].data_ptr<float>();
       const float *down_in = w[5].data_ptr<float>(), *bias = w[6].data_ptr<float>();
       // qkv: rescale, + bias, RoPE into q and the cache's new slots; row attention
-      int8_gemm(in_hidden, w + 7, y_qkv, thread, threads);
-      team.wait();
+      gemm(in_hidden, w + 7, y_qkv);
       float *k_l = k.data_ptr<float>() + l * slot_stride, *v_l = v.data_ptr<float>() + l * slot_stride;
       rows([&](int64_t t) {
         const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
@@ -503,20 +507,18 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
         for (int64_t i = 0; i < qkv_width; ++i) row[i] = y[i] * sp[t] + bias[i];
         rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row, v_l + ns[t] * kv_row);
       });
-      attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, ticket[l], threads);  // [T, H * D]
-      team.wait();
+      attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, tickets, phase, threads);  // [T, H * D]
+      next_phase();
       rows([&](int64_t t) { scale_row(attn_p + t * HD, HD, nullptr, eps, o_in, up + t * HD, sp + t); });
       // o: residual, post norm, gate_up
-      int8_gemm(in_heads, w + 10, y_o, thread, threads);
-      team.wait();
+      gemm(in_heads, w + 10, y_o);
       rows([&](int64_t t) {
         const float* y = y_o.data_ptr<float>() + t * hidden;
         for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
         scale_row(xp + t * hidden, hidden, post_norm, eps, gate_up_in, up + t * hidden, sp + t);
       });
       // SiLU(gate) * up, down, residual, the next layer's input norm (after the last layer the final norm)
-      int8_gemm(in_hidden, w + 13, y_gate_up, thread, threads);  // [T, 2 I]
-      team.wait();
+      gemm(in_hidden, w + 13, y_gate_up);  // [T, 2 I]
       rows([&](int64_t t) {
         const float* y = y_gate_up.data_ptr<float>() + t * 2 * inter;
         for (int64_t i = 0; i < inter; ++i) {
@@ -525,8 +527,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
         }
         scale_row(ap + t * inter, inter, nullptr, eps, down_in, up + t * inter, sp + t);
       });
-      int8_gemm(in_inter, w + 16, y_down, thread, threads);
-      team.wait();
+      gemm(in_inter, w + 16, y_down);
       const at::Tensor* next = l + 1 < L ? w + INT8_TENSORS_PER_LAYER : nullptr;
       rows([&](int64_t t) {
         const float* y = y_down.data_ptr<float>() + t * hidden;
@@ -539,6 +540,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
         }
       });
     }
+    TORCH_INTERNAL_ASSERT(phase == tickets.size(0), "int8_sq_layers: ", phase, " phases run, ", tickets.size(0), " planned");
   });
   return out;
 }

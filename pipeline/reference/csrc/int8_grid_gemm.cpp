@@ -18,6 +18,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "shared_items.h"
+
 namespace {
 
 constexpr int64_t GROUP = 64;   // output channels per group: 4 zmm accumulators of 16 int32
@@ -226,23 +228,30 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
   return out;
 }
 
-// grid_gemm's share `part` of `parts` (its output channel groups, in order) written into out [M, N]: what one thread
-// of a team computes (csrc/fused_layers.cpp), each thread rounding the input itself. A channel's result does not
-// depend on the split.
+// grid_gemm into out [M, N] by the threads of a team (csrc/fused_layers.cpp), each calling it with the same
+// arguments: they take the output channel groups from the phase `phase` of `tickets` (shared_items.h), each thread
+// rounding the input itself before its first group. A channel's result does not depend on which thread computes it.
 void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
-                    double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, int64_t part, int64_t parts) {
+                    double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, at::Tensor tickets,
+                    int64_t phase) {
+  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
+              && 0 <= phase && phase < tickets.size(0), "grid_gemm_into: tickets must be contiguous int64 [phases, 8] "
+              "with a row for phase ", phase);
+  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  if (items.exhausted()) return;  // the other threads took every group
   const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
   const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
               && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
-  TORCH_CHECK(0 <= part && part < parts, "grid_gemm_into: part ", part, " of ", parts);
-  gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
-              multiplier.data_ptr<float>(), out.data_ptr<float>(), N, G * part / parts, G * (part + 1) / parts, in.amx);
+  items.take(G, 1, [&](int64_t g0, int64_t g1) {
+    gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1, in.amx);
+  });
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("int8_grid_gemm(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point, int amx_min_rows) -> Tensor",
         &grid_gemm);
   m.def("int8_grid_gemm_into(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, "
-        "int zero_point, int amx_min_rows, Tensor(a!) out, int part, int parts) -> ()", &grid_gemm_into);
+        "int zero_point, int amx_min_rows, Tensor(a!) out, Tensor(b!) tickets, int phase) -> ()", &grid_gemm_into);
 }

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <algorithm>
 
+#include "shared_items.h"
+
 namespace {
 
 constexpr int64_t GROUP = 8;    // output channels per packed group: [K4, 8, 4] int8, 32 bytes per k quad
@@ -135,22 +137,29 @@ at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at
   return out;
 }
 
-// grid_gemm_avx2's share `part` of `parts` (its output channel groups, in order) written into out [M, N]: what one
-// thread of a team computes (csrc/fused_layers.cpp), each thread rounding the input itself.
+// grid_gemm_avx2 into out [M, N] by the threads of a team (csrc/fused_layers.cpp), each calling it with the same
+// arguments: they take the output channel groups, 16 chunks of them, from the phase `phase` of `tickets`
+// (shared_items.h), each thread rounding the input itself before its first chunk.
 void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
-                         double step, int64_t zero_point, at::Tensor out, int64_t part, int64_t parts) {
+                         double step, int64_t zero_point, at::Tensor out, at::Tensor tickets, int64_t phase) {
+  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
+              && 0 <= phase && phase < tickets.size(0), "grid_gemm_into: tickets must be contiguous int64 [phases, 8] "
+              "with a row for phase ", phase);
+  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  if (items.exhausted()) return;  // the other threads took every group
   const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
   const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
               && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
-  TORCH_CHECK(0 <= part && part < parts, "grid_gemm_into: part ", part, " of ", parts);
-  gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
-              multiplier.data_ptr<float>(), out.data_ptr<float>(), N, G * part / parts, G * (part + 1) / parts);
+  items.take(G, (G + 15) / 16, [&](int64_t g0, int64_t g1) {  // 8-channel groups: a chunk of them per claim
+    gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);
+  });
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def("int8_grid_gemm_avx2(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, float step, int zero_point) -> Tensor",
         &grid_gemm_avx2);
   m.def("int8_grid_gemm_avx2_into(Tensor x, Tensor packed, Tensor offset, Tensor multiplier, int in_features, "
-        "float step, int zero_point, Tensor(a!) out, int part, int parts) -> ()", &grid_gemm_avx2_into);
+        "float step, int zero_point, Tensor(a!) out, Tensor(b!) tickets, int phase) -> ()", &grid_gemm_avx2_into);
 }

@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "shared_items.h"
+
 namespace {
 
 #ifdef __AVX512F__
@@ -412,9 +414,9 @@ struct Call {
     });
   }
 
-  // Compute items into out [R, H * D] until none is left: each taken from the counter `next` (shared by every
-  // thread working on this call).
-  void work(int64_t* next, float* op) const {
+  // Compute items into out [R, H * D] until none is left, each taken from `items` (shared by every thread working on
+  // this call).
+  void work(const SharedItems& shared, float* op) const {
     const float* qp = q.data_ptr<float>();
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
@@ -426,8 +428,7 @@ struct Call {
     std::vector<const float*> qs;
     std::vector<float*> os;
     std::vector<int64_t> lens;
-    for (int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); i < items;
-         i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) {
+    shared.take(items, 1, [&](int64_t i, int64_t) {
       const int64_t u = order[i], gi = u / per_group, g = u % per_group / parts, part = u % parts;
       const int64_t h0 = g * group + part * heads_per_part, h1 = std::min((g + 1) * group, h0 + heads_per_part);
       qs.clear(), os.clear(), lens.clear();
@@ -444,7 +445,7 @@ struct Call {
       scores.resize(qs.size() * s_stride);
       kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[first[gi]],
               KVH * D, D, float(scale), scores.data(), s_stride, kt);
-    }
+    });
   }
 };
 
@@ -455,22 +456,27 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
   const int64_t threads = at::get_num_threads();
   const Call call(q, k, v, slots, starts, lengths, scale, threads);
   auto out = at::empty({call.R, call.H * call.D}, call.q.options());
-  int64_t next = 0;
+  int64_t tickets[8] = {};  // this call's shared items (shared_items.h)
   at::parallel_for(0, std::min<int64_t>(call.items, threads), 1,
-                   [&](int64_t, int64_t) { call.work(&next, out.data_ptr<float>()); });
+                   [&](int64_t, int64_t) { call.work(SharedItems{tickets}, out.data_ptr<float>()); });
   return out;
 }
 
-// row_attention into out [R, H * D], computed by the `parts` threads of a team (csrc/fused_layers.cpp) that each
-// call it with the same arguments: they take the work items from the shared counter ticket (int64, 0 before the
-// first call); a row's bits do not depend on which thread computes it.
+// row_attention into out [R, H * D] by the threads of a team of `threads` (csrc/fused_layers.cpp), each calling it
+// with the same arguments: every caller plans the same work items and takes them from the phase `phase` of `tickets`
+// (shared_items.h); a row's bits do not depend on which thread computes it.
 void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
-                        at::Tensor lengths, double scale, at::Tensor out, at::Tensor ticket, int64_t parts) {
-  const Call call(q, k, v, slots, starts, lengths, scale, parts);
+                        at::Tensor lengths, double scale, at::Tensor out, at::Tensor tickets, int64_t phase,
+                        int64_t threads) {
+  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
+              && 0 <= phase && phase < tickets.size(0), "row_attention_into: tickets must be contiguous int64 "
+              "[phases, 8] with a row for phase ", phase);
+  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  if (items.exhausted()) return;  // the other threads took every item
+  const Call call(q, k, v, slots, starts, lengths, scale, threads);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == call.R
               && out.size(1) == call.H * call.D, "row_attention_into: out must be contiguous float32 [rows, heads * head_size]");
-  TORCH_CHECK(ticket.scalar_type() == at::kLong && ticket.numel() == 1, "row_attention_into: ticket must be one int64");
-  call.work(ticket.data_ptr<int64_t>(), out.data_ptr<float>());
+  call.work(items, out.data_ptr<float>());
 }
 
 // The new tokens' keys and values k_new, v_new float32 [T, KVH, D] (each row contiguous, rows at any stride) stored
@@ -505,5 +511,5 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
   m.def(OP_NAME("write_and_attend") "(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, "
         "Tensor(b!) v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend);
   m.def(OP_NAME("row_attention_into") "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
-        "float scale, Tensor(a!) out, Tensor(b!) ticket, int parts) -> ()", &row_attention_into);
+        "float scale, Tensor(a!) out, Tensor(b!) tickets, int phase, int threads) -> ()", &row_attention_into);
 }

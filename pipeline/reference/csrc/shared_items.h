@@ -1,0 +1,40 @@
+// Work items shared by the threads of a team (csrc/fused_layers.cpp runs a whole forward as one): the items of one
+// phase (a GEMM's channel groups, the attention's work items, rows) are taken in chunks from a counter that every
+// thread of the team reads, and counted when finished, so a thread that lost its core to another process delays a
+// phase by at most the chunk it holds: the others take the rest. Which thread computes an item never changes a bit.
+//
+// A phase's counters are one 64-byte row of a team's int64 ticket tensor [phases, 8]: [0] the next item to take,
+// [1] the items finished, [2] the phase's item count (every caller writes the same). cpp_ops inlines this file into
+// the sources that include it.
+#pragma once
+
+#include <cstdint>
+
+struct SharedItems {
+  static constexpr int64_t NEXT = 0, FINISHED = 1, COUNT = 2;
+  int64_t* row;
+
+  // f(begin, end) for chunks of up to `chunk` of the phase's `count` items until none is left, each counted as
+  // finished after f returns.
+  template <typename F>
+  void take(int64_t count, int64_t chunk, const F& f) const {
+    __atomic_store_n(row + COUNT, count, __ATOMIC_RELAXED);
+    for (int64_t begin = __atomic_fetch_add(row + NEXT, chunk, __ATOMIC_RELAXED); begin < count;
+         begin = __atomic_fetch_add(row + NEXT, chunk, __ATOMIC_RELAXED)) {
+      const int64_t end = begin + chunk < count ? begin + chunk : count;
+      f(begin, end);
+      __atomic_fetch_add(row + FINISHED, end - begin, __ATOMIC_RELEASE);
+    }
+  }
+
+  // Whether any item is left to take (a caller that finds none can skip its preparation).
+  bool exhausted() const {
+    const int64_t count = __atomic_load_n(row + COUNT, __ATOMIC_RELAXED);
+    return count > 0 && __atomic_load_n(row + NEXT, __ATOMIC_RELAXED) >= count;
+  }
+
+  // Whether every item of the phase is finished, its results visible to this thread (a caller of `take` has set the count).
+  bool finished() const {
+    return __atomic_load_n(row + FINISHED, __ATOMIC_ACQUIRE) == __atomic_load_n(row + COUNT, __ATOMIC_RELAXED);
+  }
+};
