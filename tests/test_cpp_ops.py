@@ -37,3 +37,17 @@ def test_each_torch_install_and_build_has_its_own_library_folder(monkeypatch):
     assert cpp_ops.build_directory(row_attention.AVX512) != cpp_ops.build_directory(row_attention.AVX2)
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
     assert cpp_ops.build_directory(fused_layers.BUILD) != here
+
+
+def test_a_sources_local_headers_are_compiled_inline_so_an_edit_rebuilds_it(tmp_path, monkeypatch):
+    """torch's loader rebuilds a library when the text it compiles changes: a header a source includes is part of
+    that text, so editing csrc/shared_items.h rebuilds every kernel that includes it. System headers stay includes."""
+    for kernel in (fused_layers.BUILD, row_attention.AVX512):  # the project's own includes are all inlined
+        assert '#include "' not in cpp_ops.source_text(kernel) and "struct SharedItems" in cpp_ops.source_text(kernel)
+    (tmp_path / "kernel.cpp").write_text('#include <vector>\n#include "items.h"\nint f() { return ITEMS; }\n')
+    (tmp_path / "items.h").write_text("#define ITEMS 3\n")
+    monkeypatch.setattr(cpp_ops, "SOURCES", tmp_path)
+    build = cpp_ops.Build("kernel", "kernel", (), lambda: True)
+    assert cpp_ops.source_text(build) == "#include <vector>\n#define ITEMS 3\n\nint f() { return ITEMS; }\n"
+    (tmp_path / "items.h").write_text("#define ITEMS 4\n")
+    assert "ITEMS 4" in cpp_ops.source_text(build)
