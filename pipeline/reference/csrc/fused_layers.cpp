@@ -59,10 +59,11 @@ struct Abandoned {};
 // row-wise work between them) is a set of items the threads take from a shared counter (shared_items.h); a thread
 // that finds none left waits, spinning, until every item is finished, then goes on to the next phase. Separate
 // parallel regions per phase cost a forward 150-300 OpenMP fork/joins, and under OMP_WAIT_POLICY=PASSIVE (as served:
-// idle OpenMP threads sleep) each one wakes a sleeping thread: SmolLM2's one-token step took 11.5 ms on two threads
-// that way against 7.7 with threads that spin (docs/benchmarks.md). A team's threads spin only inside a forward, and
-// a thread that lost its core to another process (the server's and client's, on a small host) holds up a phase by
-// at most the item it holds: the others take the rest, where a barrier would wait for it.
+// idle OpenMP threads sleep) each one wakes a sleeping thread: after 450 cached tokens SmolLM2's one-token step took
+// 11.4 ms on two threads that way and 7.8 as a team, a 6-token verify 22.1 and 10.0 (docs/benchmarks.md). A team's
+// threads spin only inside a forward, and a thread that lost its core to another process (the server's and client's,
+// on a small host) holds up a phase by at most the item it holds: the others take the rest, where a barrier would
+// wait for it.
 class Team {
  public:
   // Return once every item of the phase is finished; throws Abandoned where a thread failed. After SPINS pauses a
