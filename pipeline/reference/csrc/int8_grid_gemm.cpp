@@ -234,10 +234,7 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
 void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                     double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, at::Tensor tickets,
                     int64_t phase) {
-  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
-              && 0 <= phase && phase < tickets.size(0), "grid_gemm_into: tickets must be contiguous int64 [phases, 8] "
-              "with a row for phase ", phase);
-  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  const SharedItems items = SharedItems::of(tickets, phase, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
   const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);

@@ -142,10 +142,7 @@ at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at
 // (shared_items.h), each thread rounding the input itself before its first chunk.
 void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                          double step, int64_t zero_point, at::Tensor out, at::Tensor tickets, int64_t phase) {
-  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
-              && 0 <= phase && phase < tickets.size(0), "grid_gemm_into: tickets must be contiguous int64 [phases, 8] "
-              "with a row for phase ", phase);
-  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  const SharedItems items = SharedItems::of(tickets, phase, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
   const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);

@@ -468,10 +468,7 @@ at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor sl
 void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                         at::Tensor lengths, double scale, at::Tensor out, at::Tensor tickets, int64_t phase,
                         int64_t threads) {
-  TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2 && tickets.size(1) == 8
-              && 0 <= phase && phase < tickets.size(0), "row_attention_into: tickets must be contiguous int64 "
-              "[phases, 8] with a row for phase ", phase);
-  const SharedItems items{tickets.data_ptr<int64_t>() + phase * 8};
+  const SharedItems items = SharedItems::of(tickets, phase, "row_attention_into");
   if (items.exhausted()) return;  // the other threads took every item
   const Call call(q, k, v, slots, starts, lengths, scale, threads);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == call.R

@@ -8,11 +8,21 @@
 // the sources that include it.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 
 struct SharedItems {
   static constexpr int64_t NEXT = 0, FINISHED = 1, COUNT = 2;
   int64_t* row;
+
+  // The counters of phase `phase` in a team's tickets, checked (`op` names the caller in the error).
+  static SharedItems of(const at::Tensor& tickets, int64_t phase, const char* op) {
+    TORCH_CHECK(tickets.scalar_type() == at::kLong && tickets.is_contiguous() && tickets.dim() == 2
+                && tickets.size(1) == 8 && 0 <= phase && phase < tickets.size(0), op, ": tickets must be contiguous "
+                "int64 [phases, 8] with a row for phase ", phase);
+    return {tickets.data_ptr<int64_t>() + phase * 8};
+  }
 
   // f(begin, end) for chunks of up to `chunk` of the phase's `count` items until none is left, each counted as
   // finished after f returns.
