@@ -124,7 +124,8 @@ def test_the_kernel_names_a_bad_input(isa, amx_min_rows):
 
 
 
-def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor, tickets: torch.Tensor) -> None:
+def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor,
+              tickets: torch.Tensor) -> None:
     """The kernel's `_into` op as one thread of a fused forward's team calls it (csrc/fused_layers.cpp): the channel
     groups left in phase 0 of `tickets` (csrc/shared_items.h: [next, finished, count]) written into out."""
     args = (x_unit, kernel.packed, kernel.offset, kernel.multiplier, kernel.in_features, kernel.step, kernel.zero_point)

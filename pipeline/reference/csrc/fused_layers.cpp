@@ -387,8 +387,8 @@ void scale_row(const float* r, int64_t n, const float* norm, double eps, const f
 }
 
 // The int8 GEMM's `_into` op (VNNI or AVX2 build, by name): one thread's share of a GEMM, looked up once per name
-using VnniSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t, at::Tensor,
-                           at::Tensor, int64_t);
+using VnniSignature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t,
+                           at::Tensor, at::Tensor, int64_t);
 using Avx2Signature = void(at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, at::Tensor,
                            at::Tensor, int64_t);
 
@@ -445,7 +445,8 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == hidden,
               "int8_sq_layers: the final norm must be contiguous float32 [hidden]");
   new_slots = new_slots.contiguous();
-  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.numel() == T, "int8_sq_layers: new_slots must be int64 [T]");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.numel() == T,
+              "int8_sq_layers: new_slots must be int64 [T]");
   const int64_t* ns = new_slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
     TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(1), "int8_sq_layers: slot ", ns[t], " is not in the cache");
@@ -461,7 +462,8 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   auto unit = at::empty({T * std::max({hidden, HD, inter})}, x.options());  // the current GEMM input [T, n], in [-1, 1]
   float* up = unit.data_ptr<float>();
   const at::Tensor in_hidden = unit.narrow(0, 0, T * hidden).view({T, hidden});
-  const at::Tensor in_heads = unit.narrow(0, 0, T * HD).view({T, HD}), in_inter = unit.narrow(0, 0, T * inter).view({T, inter});
+  const at::Tensor in_heads = unit.narrow(0, 0, T * HD).view({T, HD});
+  const at::Tensor in_inter = unit.narrow(0, 0, T * inter).view({T, inter});
   // the GEMMs' outputs, then the row-wise results
   const at::Tensor y_qkv = at::empty({T, qkv_width}, x.options()), y_o = at::empty({T, hidden}, x.options());
   const at::Tensor y_gate_up = at::empty({T, 2 * inter}, x.options()), y_down = at::empty({T, hidden}, x.options());
@@ -492,8 +494,8 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       next_phase();
     };
     rows([&](int64_t t) {
-      scale_row(xp + t * hidden, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(), up + t * hidden,
-                sp + t);
+      scale_row(xp + t * hidden, hidden, weights[0].data_ptr<float>(), eps, weights[2].data_ptr<float>(),
+                up + t * hidden, sp + t);
     });
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = weights.data() + l * INT8_TENSORS_PER_LAYER;
@@ -506,9 +508,10 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
         const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
         float* row = qkv_p + t * qkv_width;
         for (int64_t i = 0; i < qkv_width; ++i) row[i] = y[i] * sp[t] + bias[i];
-        rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row, v_l + ns[t] * kv_row);
+        rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row,
+                 v_l + ns[t] * kv_row);
       });
-      attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, tickets, phase, threads);  // [T, H * D]
+      attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, tickets, phase, threads);  // [T, HD]
       next_phase();
       rows([&](int64_t t) { scale_row(attn_p + t * HD, HD, nullptr, eps, o_in, up + t * HD, sp + t); });
       // o: residual, post norm, gate_up
@@ -541,7 +544,8 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
         }
       });
     }
-    TORCH_INTERNAL_ASSERT(phase == tickets.size(0), "int8_sq_layers: ", phase, " phases run, ", tickets.size(0), " planned");
+    TORCH_INTERNAL_ASSERT(phase == tickets.size(0), "int8_sq_layers: ", phase, " phases run, ", tickets.size(0),
+                          " planned");
   });
   return out;
 }

@@ -375,7 +375,8 @@ struct Call {
        double scale_, int64_t threads)
       : q(q_.contiguous()), k(k_), v(v_), slots(slots_.contiguous()), starts(starts_.contiguous()),
         lengths(lengths_.contiguous()), scale(scale_) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "row_attention: q must be float32 [rows, heads, head_size]");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
+                "row_attention: q must be float32 [rows, heads, head_size]");
     check_cache(k, v, "row_attention");
     TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong
                 && lengths.scalar_type() == at::kLong, "row_attention: slots, starts and lengths must be int64");
@@ -472,7 +473,8 @@ void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slo
   if (items.exhausted()) return;  // the other threads took every item
   const Call call(q, k, v, slots, starts, lengths, scale, threads);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == call.R
-              && out.size(1) == call.H * call.D, "row_attention_into: out must be contiguous float32 [rows, heads * head_size]");
+              && out.size(1) == call.H * call.D,
+              "row_attention_into: out must be contiguous float32 [rows, heads * head_size]");
   call.work(items, out.data_ptr<float>());
 }
 

@@ -43,7 +43,8 @@ struct SharedItems {
     return count > 0 && __atomic_load_n(row + NEXT, __ATOMIC_RELAXED) >= count;
   }
 
-  // Whether every item of the phase is finished, its results visible to this thread (a caller of `take` has set the count).
+  // Whether every item of the phase is finished, its results visible to this thread (a caller of `take` has set
+  // the count).
   bool finished() const {
     return __atomic_load_n(row + FINISHED, __ATOMIC_ACQUIRE) == __atomic_load_n(row + COUNT, __ATOMIC_RELAXED);
   }
