@@ -14,11 +14,13 @@ kernel (decode steps and short chains; a prefill keeps the eager or compiled pat
 - int8_sq models (targets, as served): between its four int8 GEMMs a layer ran five inductor-compiled regions and
   five Python calls of custom ops (compiled.py), 4-17 us each: about 2 ms of a SmolLM2 decode step's 8-11.
   `FusedInt8Layers` runs the same layers in one op, the GEMMs on the project's int8 kernel (int8_grid_gemm.py). The
-  engine switches it on beside the compiled layers (`EngineConfig.compiled_layers`). Every row is computed alone in a
-  fixed order, so the results are batch-invariant and the same on any thread count; they are close to the compiled
-  layers', not bit-equal (tests/test_fused_layers.py). In exact mode (as served) every forward runs on the row
-  attention kernel, so every token of a request is computed by these layers, speculative or not, and the engine
-  compiles no regions there (3.7 s of loading SmolLM2's engine from inductor's cache, 17 s to compile them).
+  engine switches it on beside the compiled layers (`EngineConfig.compiled_layers`). The forward is one parallel
+  region: its threads take each phase's items (channel groups, attention work items, rows) from shared counters
+  instead of opening 150-300 OpenMP regions, each a sleeping thread's wake under the server's PASSIVE wait policy
+  (docs/engine.md). Every row is computed alone in a fixed order, so the results are batch-invariant and the same
+  on any thread count; they are close to the compiled layers', not bit-equal (tests/test_fused_layers.py). In exact
+  mode (as served) every forward runs on the row attention kernel, so every token of a request is computed by these
+  layers, speculative or not, and the engine compiles no regions there (3.7 s of loading SmolLM2's engine from inductor's cache, 17 s to compile them).
 REFERENCE_FUSED_LAYERS=0 keeps both on the eager or compiled path.
 """
 

@@ -8,6 +8,10 @@ one row 9.1-9.8 ms against fbgemm's 13.3-13.9, six rows 10.3 against 22.0 (docs/
 AMX_MIN_ROWS rows or more run on AMX tiles where the CPU has AMX. On AVX2, fbgemm's own path is not even exact
 (its 16-bit pair sums saturate); the project's kernel widens both sides to 16 bits and sums pairs in 32.
 
+Each build also registers an `_into` op (`int8_grid_gemm_into`, `int8_grid_gemm_avx2_into`): the same GEMM written
+into a given output by the threads of a fused forward's team, each taking channel groups from shared counters
+(csrc/shared_items.h; pipeline/reference/fused_layers.py calls it by name).
+
 Each source is compiled once per machine (pipeline.reference.cpp_ops). Where neither can run, or
 REFERENCE_INT8_KERNEL=0, `kernel()` is None and Int8PerToken stays on fbgemm.
 """

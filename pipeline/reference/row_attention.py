@@ -11,7 +11,9 @@ verify's second row costs 4% of a step where it cost 11%, with the same bits as 
 
 It runs where the CPU has AVX-512 or AVX2 (a second build of the same source, ops `row_attention_avx2` and
 `write_and_attend_avx2`: 8-lane arithmetic of its own, fixed the same way), the model computes in float32 with a
-float32 KV cache and the rows form chains (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere.
+float32 KV cache and the rows form chains (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Each
+build also registers `row_attention_into` (`_avx2`), which the fused int8_sq layers call from every thread of their
+team: each caller plans the same work items and takes them from shared counters (csrc/shared_items.h).
 Numbers: docs/benchmarks.md.
 """
 
