@@ -20,7 +20,8 @@ kernel (decode steps and short chains; a prefill keeps the eager or compiled pat
   (docs/engine.md). Every row is computed alone in a fixed order, so the results are batch-invariant and the same
   on any thread count; they are close to the compiled layers', not bit-equal (tests/test_fused_layers.py). In exact
   mode (as served) every forward runs on the row attention kernel, so every token of a request is computed by these
-  layers, speculative or not, and the engine compiles no regions there (3.7 s of loading SmolLM2's engine from inductor's cache, 17 s to compile them).
+  layers, speculative or not, and the engine compiles no regions there (3.7 s of loading SmolLM2's engine from
+  inductor's cache, 17 s to compile them).
 REFERENCE_FUSED_LAYERS=0 keeps both on the eager or compiled path.
 """
 
