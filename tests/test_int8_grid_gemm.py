@@ -123,7 +123,6 @@ def test_the_kernel_names_a_bad_input(isa, amx_min_rows):
         kernel(torch.zeros(2, 32, dtype=torch.float64))
 
 
-
 def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor,
               tickets: torch.Tensor) -> None:
     """The kernel's `_into` op as one thread of a fused forward's team calls it (csrc/fused_layers.cpp): the channel

@@ -235,11 +235,10 @@ void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tens
                     double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, at::Tensor tickets,
                     int64_t phase) {
   const SharedItems items = SharedItems::of(tickets, phase, "grid_gemm_into");
+  const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);
+  SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
-  const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
-              && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
   items.take(G, 1, [&](int64_t g0, int64_t g1) {
     gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
                 multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1, in.amx);

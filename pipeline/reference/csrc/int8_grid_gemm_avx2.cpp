@@ -143,11 +143,10 @@ at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at
 void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                          double step, int64_t zero_point, at::Tensor out, at::Tensor tickets, int64_t phase) {
   const SharedItems items = SharedItems::of(tickets, phase, "grid_gemm_into");
+  const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);
+  SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
-  const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == M
-              && out.size(1) == N, "grid_gemm_into: out must be contiguous float32 [rows, out_features]");
   items.take(G, (G + 15) / 16, [&](int64_t g0, int64_t g1) {  // 8-channel groups: a chunk of them per claim
     gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
                 multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);

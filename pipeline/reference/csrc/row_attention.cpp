@@ -472,9 +472,7 @@ void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slo
   const SharedItems items = SharedItems::of(tickets, phase, "row_attention_into");
   if (items.exhausted()) return;  // the other threads took every item
   const Call call(q, k, v, slots, starts, lengths, scale, threads);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == call.R
-              && out.size(1) == call.H * call.D,
-              "row_attention_into: out must be contiguous float32 [rows, heads * head_size]");
+  SharedItems::check_output(out, call.R, call.H * call.D, "row_attention_into");
   call.work(items, out.data_ptr<float>());
 }
 

@@ -24,6 +24,12 @@ struct SharedItems {
     return {tickets.data_ptr<int64_t>() + phase * 8};
   }
 
+  // A team op's output, which each thread writes its items into, checked: contiguous float32 [rows, cols].
+  static void check_output(const at::Tensor& out, int64_t rows, int64_t cols, const char* op) {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows
+                && out.size(1) == cols, op, ": out must be contiguous float32 [", rows, ", ", cols, "]");
+  }
+
   // f(begin, end) for chunks of up to `chunk` of the phase's `count` items until none is left, each counted as
   // finished after f returns.
   template <typename F>
