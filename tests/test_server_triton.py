@@ -52,6 +52,19 @@ def prompts(n: int) -> list[str]:
     return [" ".join(words[i * 7:i * 7 + 5 + i % 4]) for i in range(n)]
 
 
+# Every test's gRPC stream has a deadline: a stream that the server never closes (docs/reliability.md, "Another hang,
+# seen once") then ends with DEADLINE_EXCEEDED, and its test fails, where stop_stream() would wait forever.
+STREAM_DEADLINE_S = 300
+
+
+def open_stream(url: str, callback) -> grpcclient.InferenceServerClient:
+    """A gRPC client with its stream started (callback(result, error) per response), the stream bounded by
+    STREAM_DEADLINE_S."""
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=callback, stream_timeout=STREAM_DEADLINE_S)
+    return client
+
+
 def grpc_inputs(fields: dict, client_module=grpcclient) -> list:
     """InferInputs of tritonclient.grpc (or of the client module given, e.g. tritonclient.http)."""
     out = []
@@ -87,8 +100,7 @@ def stream_requests(url: str, model: str, requests: list[dict], timeout: float =
         if result.get_response().parameters["triton_final_response"].bool_param:
             done.put(("final", rid))
 
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=callback)
+    client = open_stream(url, callback)
     for i, fields in enumerate(requests):
         client.async_stream_infer(model, grpc_inputs(fields), request_id=str(i), enable_empty_final_response=True)
     finished = 0
@@ -218,9 +230,8 @@ def test_nvidia_end_to_end_grpc_client_request(triton_server, model):
     }
     texts = []
     for _ in range(2):
-        client = grpcclient.InferenceServerClient(triton_server.grpc_url)
         got: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: got.put(error or result))
+        client = open_stream(triton_server.grpc_url, lambda result, error: got.put(error or result))
         client.async_stream_infer(model, grpc_inputs(fields), outputs=[grpcclient.InferRequestedOutput("text_output")],
                                   request_id="1")
         client.stop_stream()  # waits for the server to close the stream, as NVIDIA's client does
@@ -258,9 +269,8 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_invalid_argument(triton_server, model, case):
     grpc_fields, generate_body, mentions = BAD_REQUESTS[case]
-    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put(error or result))
+    client = open_stream(triton_server.grpc_url, lambda result, error: got.put(error or result))
     client.async_stream_infer(model, grpc_inputs(grpc_fields), request_id="bad")
     reply = got.get(timeout=60)  # an error arrives: the stream never hangs
     client.stop_stream()
@@ -350,9 +360,8 @@ def _metric(triton_server, name: str) -> float:
 
 def test_cancelled_stream_stops_its_work(triton_server):
     """A client that cancels its stream: the BLS stops generating (it logs how far it got) and keeps serving."""
-    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put(error or result))
+    client = open_stream(triton_server.grpc_url, lambda result, error: got.put(error or result))
     max_tokens = 200
     client.async_stream_infer("tensorrt_llm_bls", grpc_inputs(text_request(prompts(5)[4], max_tokens, stream=True,
                                                                             num_draft_tokens=0)), request_id="c")
