@@ -66,12 +66,19 @@ struct Abandoned {};
 // wait for it.
 class Team {
  public:
-  // Return once every item of the phase is finished; throws Abandoned where a thread failed. After SPINS pauses a
-  // waiting thread yields its core at every check.
-  void wait_for(const SharedItems& items) const {
+  // Return once every item of the phase is finished; throws Abandoned where a thread failed. Until then the thread
+  // runs idle() (a short task: true while it has more) between checks, then pauses; after SPINS pauses it yields its
+  // core at every check.
+  template <typename F>
+  void wait_for(const SharedItems& items, const F& idle) const {
     constexpr int64_t SPINS = 1 << 14;
+    bool busy = true;
     for (int64_t spins = 0; !items.finished(); ++spins) {
       if (failed_.load(std::memory_order_acquire)) throw Abandoned{};
+      if (busy) {
+        busy = idle();
+        continue;
+      }
       if (spins >= SPINS) std::this_thread::yield();
 #if defined(__x86_64__) || defined(__i386__)
       else _mm_pause();
@@ -399,6 +406,60 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
 constexpr int64_t PHASES_PER_LAYER = 10;
 constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoother of the qkv, o, gate_up and down
                                                 // inputs; qkv bias; (packed, offset, multiplier) of qkv, o, gate_up, down
+// A layer's phase -> the index of its GEMM's packed weight among the layer's tensors (-1: not a GEMM)
+constexpr int64_t GEMM_WEIGHT[PHASES_PER_LAYER] = {7, -1, -1, -1, 10, -1, 13, -1, 16, -1};
+
+// The int8 GEMMs' packed weights as one stream of bytes, in the order the forward reads them. A team's thread that
+// waits for a phase's last items (the attention's third KV head, a one-row step's row-wise work, which one thread
+// does) prefetches the stream from the next GEMM's first byte up to AHEAD bytes past it, so the coming GEMMs read
+// that part from the caches instead of memory: whole forwards 3% faster at 1 and 6 rows (docs/benchmarks.md).
+class WeightStream {
+ public:
+  static constexpr int64_t AHEAD = 1 << 20, CHUNK = 1024;  // bytes; CHUNK: prefetched between two checks of a phase
+
+  // weights: INT8_TENSORS_PER_LAYER per layer, the forward's phases: 1 + PHASES_PER_LAYER per layer
+  WeightStream(const std::vector<at::Tensor>& weights, int64_t layers) : next_(1 + PHASES_PER_LAYER * layers) {
+    int64_t offset = 0;
+    for (int64_t phase = int64_t(next_.size()) - 1; phase >= 0; --phase) {  // next_: the first GEMM after each phase
+      next_[phase] = segments_.size();
+      if (phase > 0 && GEMM_WEIGHT[(phase - 1) % PHASES_PER_LAYER] >= 0)
+        segments_.push_back({&weights[(phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER
+                                      + GEMM_WEIGHT[(phase - 1) % PHASES_PER_LAYER]], 0, 0});
+    }
+    std::reverse(segments_.begin(), segments_.end());
+    for (int64_t& s : next_) s = int64_t(segments_.size()) - s;
+    for (Segment& s : segments_) s.begin = offset, offset += s.weight->nbytes(), s.end = offset;
+  }
+
+  // Prefetch the next CHUNK of the stream for a thread waiting in `phase`; false once AHEAD bytes past the next
+  // GEMM's first are taken (the threads share one cursor) or no GEMM is left.
+  bool prefetch(int64_t phase) {
+    const int64_t s = next_[phase];
+    if (s == int64_t(segments_.size())) return false;
+    const int64_t first = segments_[s].begin, last = std::min(first + AHEAD, segments_.back().end);
+    int64_t at = cursor_.load(std::memory_order_relaxed);
+    while (at < first && !cursor_.compare_exchange_weak(at, first, std::memory_order_relaxed)) {
+    }
+    at = cursor_.fetch_add(CHUNK, std::memory_order_relaxed);
+    if (at >= last) return false;
+    int64_t k = s;
+    while (segments_[k].end <= at) ++k;
+    const char* bytes = static_cast<const char*>(segments_[k].weight->data_ptr()) - segments_[k].begin;
+#if defined(__x86_64__) || defined(__i386__)
+    for (int64_t b = at; b < std::min(at + CHUNK, segments_[k].end); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+#endif
+    return true;
+  }
+
+ private:
+  struct Segment {
+    const at::Tensor* weight;
+    int64_t begin, end;  // its bytes' place in the stream
+  };
+  std::vector<Segment> segments_;  // the GEMMs in phase order
+  std::vector<int64_t> next_;      // phase -> the first segment of a later phase
+  std::atomic<int64_t> cursor_{0};
+};
 
 // A row r [n] -> o = a / s and s = max |a| (at least 1e-30), a = r * inv_smoother: the int8 GEMM's input row
 // (`scale_rows`). With norm: a = rms_norm(r) * inv_smoother.
@@ -505,19 +566,23 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   float *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float* attn_p = attn.data_ptr<float>();
   const int64_t kv_row = kv_heads * D, slot_stride = k.size(1) * kv_row;
+  WeightStream stream(weights, L);
   run_team([&](Team& team, int64_t threads) {
     int64_t phase = 0;
     // every thread passes the phases in order: it takes what items are left of each, then waits for the rest
     auto next_phase = [&] {
-      team.wait_for(SharedItems{tickets_p + phase * 8});
+      team.wait_for(SharedItems{tickets_p + phase * 8}, [&] { return stream.prefetch(phase); });
       ++phase;
     };
     auto rows = [&](const auto& f) {  // f(t) for the rows this thread takes
       SharedItems{tickets_p + phase * 8}.take(T, 1, [&](int64_t t, int64_t) { f(t); });
       next_phase();
     };
-    auto gemm = [&](const at::Tensor& input, const at::Tensor* w, const at::Tensor& y) {
-      int8_gemm(input, w, y, tickets, phase);
+    auto gemm = [&](const at::Tensor& input, const at::Tensor& y) {  // this phase's GEMM (GEMM_WEIGHT)
+      const int64_t kind = (phase - 1) % PHASES_PER_LAYER;
+      TORCH_INTERNAL_ASSERT(phase > 0 && GEMM_WEIGHT[kind] >= 0, "int8_sq_layers: phase ", phase, " is not a GEMM");
+      int8_gemm(input, weights.data() + (phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER + GEMM_WEIGHT[kind], y,
+                tickets, phase);
       next_phase();
     };
     rows([&](int64_t t) {
@@ -529,7 +594,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       const float *post_norm = w[1].data_ptr<float>(), *o_in = w[3].data_ptr<float>(), *gate_up_in = w[4].data_ptr<float>();
       const float *down_in = w[5].data_ptr<float>(), *bias = w[6].data_ptr<float>();
       // qkv: rescale, + bias, RoPE into q and the cache's new slots; row attention
-      gemm(in_hidden, w + 7, y_qkv);
+      gemm(in_hidden, y_qkv);
       float *k_l = k.data_ptr<float>() + l * slot_stride, *v_l = v.data_ptr<float>() + l * slot_stride;
       rows([&](int64_t t) {
         const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
@@ -542,20 +607,20 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       next_phase();
       rows([&](int64_t t) { scale_row(attn_p + t * HD, HD, nullptr, eps, o_in, up + t * HD, sp + t); });
       // o: residual, post norm, gate_up
-      gemm(in_heads, w + 10, y_o);
+      gemm(in_heads, y_o);
       rows([&](int64_t t) {
         const float* y = y_o.data_ptr<float>() + t * hidden;
         for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
         scale_row(xp + t * hidden, hidden, post_norm, eps, gate_up_in, up + t * hidden, sp + t);
       });
       // SiLU(gate) * up, down, residual, the next layer's input norm (after the last layer the final norm)
-      gemm(in_hidden, w + 13, y_gate_up);  // [T, 2 I]
+      gemm(in_hidden, y_gate_up);  // [T, 2 I]
       rows([&](int64_t t) {
         const float* y = y_gate_up.data_ptr<float>() + t * 2 * inter;
         silu_mul_row(y, inter, sp[t], ap + t * inter);
         scale_row(ap + t * inter, inter, nullptr, eps, down_in, up + t * inter, sp + t);
       });
-      gemm(in_inter, w + 16, y_down);
+      gemm(in_inter, y_down);
       const at::Tensor* next = l + 1 < L ? w + INT8_TENSORS_PER_LAYER : nullptr;
       rows([&](int64_t t) {
         const float* y = y_down.data_ptr<float>() + t * hidden;
