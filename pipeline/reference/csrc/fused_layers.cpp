@@ -412,7 +412,7 @@ constexpr int64_t GEMM_WEIGHT[PHASES_PER_LAYER] = {7, -1, -1, -1, 10, -1, 13, -1
 // The int8 GEMMs' packed weights as one stream of bytes, in the order the forward reads them. A team's thread that
 // waits for a phase's last items (the attention's third KV head, a one-row step's row-wise work, which one thread
 // does) prefetches the stream from the next GEMM's first byte up to AHEAD bytes past it, so the coming GEMMs read
-// that part from the caches instead of memory: whole forwards 3% faster at 1 and 6 rows (docs/benchmarks.md).
+// that part from the caches instead of memory: whole forwards 2.5-3.5% faster at one row (docs/benchmarks.md).
 class WeightStream {
  public:
   static constexpr int64_t AHEAD = 1 << 20, CHUNK = 1024;  // bytes; CHUNK: prefetched between two checks of a phase
