@@ -22,8 +22,7 @@ from tritonclient.utils import InferenceServerException
 from pipeline.spec import load_spec
 from specbuild.toolchains.reference import run_reference
 from tests.test_rejection_sampler import ALPHA, chi_square_pvalue
-from tests.test_server_triton import (STREAM_DEADLINE_S, final_value, grpc_inputs, joined_text, open_stream, prompts,
-                                      stream_requests)
+from tests.test_server_triton import final_value, grpc_inputs, joined_text, open_stream, prompts, stream_requests
 from tests.triton_fixtures import serving, write_spec
 
 MAX_TOKENS = 80  # more than one 64-token plain chunk, and past the draft's 64-token limit (fallback)
@@ -259,7 +258,7 @@ def test_stop_request_ends_a_running_request(triton_server, tok):
     assert not any(isinstance(r, InferenceServerException) for r in results), results
     assert len(output_ids(results)) < max_new
     assert any(r.as_numpy("output_ids") is None for r in results)  # the stop request's empty response
-    client.start_stream(callback=lambda result, error: got.put(error or result), stream_timeout=STREAM_DEADLINE_S)
+    client = open_stream(triton_server.grpc_url, lambda result, error: got.put(error or result))
     client.async_stream_infer("tensorrt_llm", grpc_inputs(stop))  # no request id: nothing to stop
     client.stop_stream()
     error = got.get(timeout=60)

@@ -409,6 +409,14 @@ constexpr int64_t INT8_TENSORS_PER_LAYER = 19;  // input norm, post norm; 1/smoo
 // A layer's phase -> the index of its GEMM's packed weight among the layer's tensors (-1: not a GEMM)
 constexpr int64_t GEMM_WEIGHT[PHASES_PER_LAYER] = {7, -1, -1, -1, 10, -1, 13, -1, 16, -1};
 
+// The packed weight of the forward's phase `phase` (phase 0: the first input norm, then PHASES_PER_LAYER per layer;
+// weights: INT8_TENSORS_PER_LAYER per layer), or nullptr where that phase is not a GEMM.
+const at::Tensor* gemm_weight(const std::vector<at::Tensor>& weights, int64_t phase) {
+  if (phase == 0) return nullptr;
+  const int64_t i = GEMM_WEIGHT[(phase - 1) % PHASES_PER_LAYER];
+  return i < 0 ? nullptr : &weights[(phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER + i];
+}
+
 // The int8 GEMMs' packed weights as one stream of bytes, in the order the forward reads them. A team's thread that
 // waits for a phase's last items (the attention's third KV head, a one-row step's row-wise work, which one thread
 // does) prefetches the stream from the next GEMM's first byte up to AHEAD bytes past it, so the coming GEMMs read
@@ -417,18 +425,17 @@ class WeightStream {
  public:
   static constexpr int64_t AHEAD = 1 << 20, CHUNK = 1024;  // bytes; CHUNK: prefetched between two checks of a phase
 
-  // weights: INT8_TENSORS_PER_LAYER per layer, the forward's phases: 1 + PHASES_PER_LAYER per layer
-  WeightStream(const std::vector<at::Tensor>& weights, int64_t layers) : next_(1 + PHASES_PER_LAYER * layers) {
+  WeightStream(const std::vector<at::Tensor>& weights, int64_t phases) : next_(phases) {
     int64_t offset = 0;
-    for (int64_t phase = int64_t(next_.size()) - 1; phase >= 0; --phase) {  // next_: the first GEMM after each phase
-      next_[phase] = segments_.size();
-      if (phase > 0 && GEMM_WEIGHT[(phase - 1) % PHASES_PER_LAYER] >= 0)
-        segments_.push_back({&weights[(phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER
-                                      + GEMM_WEIGHT[(phase - 1) % PHASES_PER_LAYER]], 0, 0});
+    for (int64_t phase = 0; phase < phases; ++phase)
+      if (const at::Tensor* w = gemm_weight(weights, phase)) {
+        segments_.push_back({w, phase, offset, offset + int64_t(w->nbytes())});
+        offset = segments_.back().end;
+      }
+    for (int64_t phase = 0, s = 0; phase < phases; ++phase) {  // the first segment of a later phase
+      while (s < int64_t(segments_.size()) && segments_[s].phase <= phase) ++s;
+      next_[phase] = s;
     }
-    std::reverse(segments_.begin(), segments_.end());
-    for (int64_t& s : next_) s = int64_t(segments_.size()) - s;
-    for (Segment& s : segments_) s.begin = offset, offset += s.weight->nbytes(), s.end = offset;
   }
 
   // Prefetch the next CHUNK of the stream for a thread waiting in `phase`; false once AHEAD bytes past the next
@@ -454,7 +461,7 @@ class WeightStream {
  private:
   struct Segment {
     const at::Tensor* weight;
-    int64_t begin, end;  // its bytes' place in the stream
+    int64_t phase, begin, end;  // its GEMM's phase; its bytes' place in the stream
   };
   std::vector<Segment> segments_;  // the GEMMs in phase order
   std::vector<int64_t> next_;      // phase -> the first segment of a later phase
@@ -566,7 +573,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   float *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float* attn_p = attn.data_ptr<float>();
   const int64_t kv_row = kv_heads * D, slot_stride = k.size(1) * kv_row;
-  WeightStream stream(weights, L);
+  WeightStream stream(weights, tickets.size(0));
   run_team([&](Team& team, int64_t threads) {
     int64_t phase = 0;
     // every thread passes the phases in order: it takes what items are left of each, then waits for the rest
@@ -578,11 +585,10 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       SharedItems{tickets_p + phase * 8}.take(T, 1, [&](int64_t t, int64_t) { f(t); });
       next_phase();
     };
-    auto gemm = [&](const at::Tensor& input, const at::Tensor& y) {  // this phase's GEMM (GEMM_WEIGHT)
-      const int64_t kind = (phase - 1) % PHASES_PER_LAYER;
-      TORCH_INTERNAL_ASSERT(phase > 0 && GEMM_WEIGHT[kind] >= 0, "int8_sq_layers: phase ", phase, " is not a GEMM");
-      int8_gemm(input, weights.data() + (phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER + GEMM_WEIGHT[kind], y,
-                tickets, phase);
+    auto gemm = [&](const at::Tensor& input, const at::Tensor& y) {  // this phase's GEMM (`gemm_weight`)
+      const at::Tensor* w = gemm_weight(weights, phase);
+      TORCH_INTERNAL_ASSERT(w != nullptr, "int8_sq_layers: phase ", phase, " is not a GEMM");
+      int8_gemm(input, w, y, tickets, phase);
       next_phase();
     };
     rows([&](int64_t t) {
