@@ -14,6 +14,17 @@ os.environ.setdefault(COMPILED_LAYERS_ENV, "0")
 # Real-Triton fixtures (tiny_spec_engines, triton_server): one server per session.
 pytest_plugins = ["tests.triton_fixtures"]
 
+# Seconds a slow test (the real SmolLM2: engines, servers, minutes) may take; every other test has pyproject.toml's
+# timeout
+SLOW_TEST_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests get SLOW_TEST_TIMEOUT_S instead of the default per-test timeout (unless they set their own)."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session")
 def derived_pair(tmp_path_factory):
