@@ -36,20 +36,28 @@ def test_a_lookup_miss_decodes_k_plus_1_tokens_served_and_one_token_every_token(
     assert every.accepted > served.accepted > 0
 
 
-def test_the_switch_off_backs_off_after_eight_rounds_then_drafts_again():
+def test_the_switch_off_backs_off_after_eight_rounds_or_once_the_rounds_rule_out_the_bar_then_drafts_again():
     # groups 1 2 <new>: after <new> the lookup misses and 1 is decoded; after 1 it proposes what followed the last 1
-    # (2 then an older <new>): 2 is accepted, the rest rejected. Misses and drafts are rounds, as in the BLS.
+    # (2 then an older <new>): 2 is accepted, the rest rejected: 1 of 5 (20 %). Misses and drafts are rounds, as in
+    # the BLS. Against a 30 % bar each draft's 1 of 2 positions checked leaves room (a position's acceptance may still
+    # be 0.86 after 4 drafts): the window of 8 rounds decides. A 100 % bar is ruled out by the first draft.
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     answer = [x for i in range(30) for x in (1, 2, 100 + i)]
-    never = replay(prompt, answer, LookupPolicy("never", 5, 1, switch_off_below=0.0))
-    strict = replay(prompt, answer, LookupPolicy("strict", 5, 1, switch_off_below=1.0))
-    assert 0 < never.accepted < never.drafted  # partial acceptance: below a 100 % bar
-    assert strict.tokens == never.tokens == len(answer)
-    # 8 rounds (4 misses, 4 drafts: 12 tokens), 16 plain tokens, then drafting again, then 32 plain ...
-    assert replay(prompt, answer[:12], LookupPolicy("s", 5, 1, switch_off_below=1.0)).drafted < strict.drafted < never.drafted
-    assert strict.forwards > never.forwards  # backing off from accepted 2s costs forwards
-    first_only = replay(prompt, answer[:12 + BACK_OFF_TOKENS], LookupPolicy("strict", 5, 1, switch_off_below=1.0))
-    assert first_only.forwards == 8 + BACK_OFF_TOKENS  # 8 rounds of one forward each, then the back-off, plain
+
+    def at(bar, n=len(answer)):
+        return replay(prompt, answer[:n], LookupPolicy(f"bar {bar}", 5, 1, switch_off_below=bar))
+
+    never, window, strict = at(0.0), at(0.3), at(1.0)
+    assert 0 < never.accepted < never.drafted  # partial acceptance
+    assert strict.tokens == window.tokens == never.tokens == len(answer)
+    assert strict.drafted < window.drafted < never.drafted
+    assert window.forwards > never.forwards  # backing off from accepted 2s costs forwards
+    # 8 rounds (4 misses, 4 drafts: 12 tokens), then 16 plain tokens
+    assert at(0.3, 12 + BACK_OFF_TOKENS).forwards == 8 + BACK_OFF_TOKENS
+    # a miss and one draft (3 tokens), then 16 plain tokens, then drafting again
+    first = at(1.0, 3 + BACK_OFF_TOKENS)
+    assert (first.forwards, first.drafted) == (2 + BACK_OFF_TOKENS, 5)
+    assert at(1.0, 3 + BACK_OFF_TOKENS + 3).drafted > 5
 
 
 def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_longer_up_to_k():

@@ -16,9 +16,8 @@ Policies:
 - BLS rounds: what the trtllm toolchain serves, the BLS's rounds (at most K draft tokens, cut where the context
   disagrees when min_token_prob > 0;
   adaptive: one fewer after a partly rejected draft, two more after a fully accepted one,
-  pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length + 1 tokens plainly; a
-  request whose acceptance since it last (re)started drafting is below the switch-off bar after 8 rounds backs
-  off: 16 plain tokens, twice as many after each further back-off, then one-token drafts again);
+  pipeline.sequences.next_draft_len; a lookup miss decodes the current draft length + 1 tokens plainly; the
+  switch-off and its back-off are the BLS's own, pipeline.serving.bls.RoundPolicy);
 - BLS rounds without the cut: the same with min_token_prob 0 (the whole continuation, up to the draft length);
 - fixed K: the BLS rounds with K never changing and no cut (the BLS before 2026-12-02);
 - every token: the lookup runs again after every plain token (a miss costs one forward);
@@ -32,8 +31,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.sequences import next_draft_len, ngram_lookup
-from pipeline.serving.bls import BACK_OFF_TOKENS, ROUNDS_BEFORE_ACCEPTANCE_CHECK
+from pipeline.sequences import ngram_lookup
+from pipeline.serving.bls import RoundPolicy
 
 CEILING_K = 16
 
@@ -41,8 +40,8 @@ CEILING_K = 16
 @dataclass(frozen=True)
 class LookupPolicy:
     """How a request drafts: at most K tokens per round (adaptive: the BLS's draft length schedule, else always K),
-    plain tokens per lookup miss (None: draft length + 1, as the BLS), the acceptance below which it backs off
-    after 8 rounds (0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
+    plain tokens per lookup miss (None: draft length + 1, as the BLS), the switch-off bar (pipeline.serving.bls.RoundPolicy;
+    0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
 
     name: str
     k: int
@@ -85,38 +84,29 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     exactly when it equals the answer's next token). The prompt's prefill forward is not counted (plain decoding
     pays it too)."""
     out = Replay(tokens=len(answer))
-    done, draft_len, back_off = 0, policy.k, BACK_OFF_TOKENS
-    rounds, evidence = 0, Replay()  # rounds and draft counts since drafting last (re)started: what the bar judges
+    done, rounds = 0, RoundPolicy(policy.k, policy.switch_off_below, adaptive=policy.adaptive)  # as the BLS
     while done < len(answer):
         remaining = len(answer) - done
         if remaining == 1:
             out.forwards += remaining
             break
-        k = min(draft_len, remaining - 1)
+        k = min(rounds.draft_len, remaining - 1)
         draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
-        rounds += 1  # misses included, as the BLS
+        accepted = 0
         if not draft:
             plain = min(k + 1 if policy.miss_tokens is None else policy.miss_tokens, remaining)
             out.forwards += plain
             done += plain
         else:
-            accepted = 0
             while accepted < len(draft) and draft[accepted] == answer[done + accepted]:
                 accepted += 1
             out.forwards += 1
-            for counts in (out, evidence):
-                counts.drafted += len(draft)
-                counts.accepted += accepted
+            out.drafted += len(draft)
+            out.accepted += accepted
             done += accepted + 1
-            if policy.adaptive:
-                draft_len = next_draft_len(draft_len, accepted, len(draft), policy.k)
-        if (rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and evidence.drafted
-                and evidence.accepted / evidence.drafted < policy.switch_off_below):  # back off, as the BLS
-            plain = min(back_off, len(answer) - done)
-            out.forwards += plain
-            done += plain
-            back_off, rounds, evidence = back_off * 2, 0, Replay()
-            draft_len = 1 if policy.adaptive else policy.k
+        plain = min(rounds.record(len(draft), accepted), len(answer) - done)  # a back-off's plain tokens
+        out.forwards += plain
+        done += plain
     return out
 
 

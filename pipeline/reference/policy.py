@@ -17,11 +17,11 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   `window * num_draft_tokens` draft tokens between them (at batch 1: the request's own, after about
   `window` steps). With 8 in flight a useless draft stops after one step instead of `window`.
   Before that, the pool stops early when even an optimistic reading of the running requests' chain drafts
-  cannot pay (`hopeless`; finished requests' evidence, below, fills only the window): under speculative decoding's usual model (each draft position the target checks is
-  accepted with the same probability alpha, independently), a step that accepted a of its k draft tokens
-  checked a + 1 positions (k if it accepted all); alpha's 95% upper bound from those positions (Chernoff's,
-  in KL form) gives an expected acceptance of sum(alpha^i, i <= k) / k per step, and below the bar the
-  pool stops. A useless draft stops after 3-4 steps where a draft token costs 0.4-0.5 of a step. Counting
+  cannot pay (`hopeless`; finished requests' evidence, below, fills only the window): under speculative decoding's
+  usual model (pipeline.acceptance: each draft position the target checks is accepted with the same probability
+  alpha, independently), alpha's 95% upper bound from the positions checked gives an expected acceptance of
+  sum(alpha^i, i <= k) / k per step, and below the bar the pool stops. A useless draft stops after 3-4 steps
+  where a draft token costs 0.4-0.5 of a step. Counting
   a step's k draft tokens as k independent samples (Hoeffding's margin sqrt(ln 20 / 2n) after n tokens,
   the rule before) was overconfident: a rejection ends the chain, and simulated drafts that paid 1.3x the
   bar were stopped in up to 17% of windows at K=8 (tests/test_proposers.py simulates the 5%).
@@ -65,15 +65,12 @@ of that pair's step, building the proposer's inputs and its empty drafts).
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from pipeline.acceptance import ChainEvidence
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.sequences import next_draft_len
 
-# The early switch-off's risk of stopping a draft that would have paid (see PolicyProposer.hopeless)
-EARLY_STOP_RISK = 0.05
 # Slow start: accepted first-position draft tokens (pooled, fading) that end it (PolicyProposer.slow_start_limit)
 REACH_EVIDENCE = 0.5
 # Draft tokens a draft position needs (pooled, fading like the finished requests' evidence) before its acceptance can
@@ -82,25 +79,6 @@ POSITION_EVIDENCE = 16
 # Finished requests' pooled evidence is multiplied by this every step (half-life about 70 steps, 1-2 s at
 # SmolLM2's CPU step times), so what it says about the traffic fades and new requests get tried again.
 PAST_EVIDENCE_DECAY = 0.99
-
-
-def acceptance_upper_bound(accepted: int, checked: int, risk: float) -> float:
-    """The largest acceptance probability p that `accepted` of `checked` independent positions do not rule out at
-    `risk`: Chernoff's bound checked * KL(accepted / checked || p) <= ln(1 / risk), found by bisection."""
-    observed, limit = accepted / checked, math.log(1 / risk) / checked
-    low, high = observed, 1.0
-    for _ in range(30):  # to 1e-9
-        mid = (low + high) / 2
-        if _bernoulli_kl(observed, mid) > limit:
-            high = mid
-        else:
-            low = mid
-    return high
-
-
-def _bernoulli_kl(p: float, q: float) -> float:
-    """KL(Bernoulli(p) || Bernoulli(q)) for 0 <= p <= q < 1."""
-    return (p * math.log(p / q) if p > 0 else 0.0) + ((1 - p) * math.log((1 - p) / (1 - q)) if p < 1 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -203,11 +181,7 @@ class _RequestPolicy:
     steps: int = 0  # steps it drafted in so far
     answer_started: bool = False  # proposed for with generated tokens in its context (not its prompt's last step)
     chain: bool = True  # its last draft was a chain (a tree's nodes are not draft positions)
-    # its chain steps' evidence for the early stop (PolicyProposer.hopeless): draft positions the target checked (a
-    # step that accepted a of k checked a + 1, k if it accepted all), those accepted, and the steps by draft length
-    positions_checked: int = 0
-    positions_accepted: int = 0
-    chain_lengths: Counter = field(default_factory=Counter)
+    chain_evidence: ChainEvidence = field(default_factory=ChainEvidence)  # its chain steps', for the early stop
     probe_for: int = 0  # its draft this step was cut by the slow start from this length (0: not cut)
 
 
@@ -277,22 +251,13 @@ class PolicyProposer:
         return not self.hopeless(batch_size)  # before the window is full: stop only a draft that cannot pay
 
     def hopeless(self, batch_size: int) -> bool:
-        """Whether the running requests' chain drafts so far rule out paying at this batch size at EARLY_STOP_RISK (see
-        the module docstring): with alpha the 95% upper bound on a checked position's acceptance, the steps' expected
-        accepted tokens sum(alpha^i, i <= k) are below what the steps need (`PolicyConfig.tokens_needed`)."""
+        """Whether the running requests' chain drafts so far rule out paying at this batch size (see the module
+        docstring and pipeline.acceptance): even at alpha's upper bound their steps bring fewer accepted tokens than
+        the steps need (`PolicyConfig.tokens_needed`)."""
         key = (self.evidence_version, batch_size)
         if self._hopeless_verdict[0] != key:  # a switched-off batch asks every step; its evidence no longer changes
-            running = self.requests.values()
-            checked = sum(r.positions_checked for r in running)
-            verdict = False
-            if checked > 0:
-                alpha = acceptance_upper_bound(sum(r.positions_accepted for r in running), checked, EARLY_STOP_RISK)
-                lengths = Counter()
-                for r in running:
-                    lengths.update(r.chain_lengths)
-                expected = sum(n * sum(alpha ** i for i in range(1, k + 1)) for k, n in lengths.items())
-                verdict = expected < self.config.tokens_needed(batch_size, sum(lengths.values()),
-                                                               sum(n * k for k, n in lengths.items()))
+            pool = ChainEvidence.pooled(r.chain_evidence for r in self.requests.values())
+            verdict = pool.optimistic_accepted() < self.config.tokens_needed(batch_size, pool.steps, pool.draft_tokens)
             self._hopeless_verdict = (key, verdict)
         return self._hopeless_verdict[1]
 
@@ -356,9 +321,7 @@ class PolicyProposer:
         state.steps += 1
         self.evidence_version += 1
         if state.chain:
-            state.positions_checked += num_accepted + (num_accepted < num_proposed)
-            state.positions_accepted += num_accepted
-            state.chain_lengths[max(num_proposed, state.probe_for)] += 1  # a probe stands for the draft it cut
+            state.chain_evidence.add(num_accepted, num_proposed, state.probe_for)  # a probe stands for the draft it cut
             for i in range(min(num_proposed, len(self.position_proposed))):
                 self.position_proposed[i] += 1
                 self.position_accepted[i] += i < num_accepted

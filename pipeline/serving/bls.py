@@ -8,8 +8,8 @@ Each round of a speculative request:
 1. propose up to K tokens: the draft model (tensorrt_llm_draft, asked for that many tokens, plus its raw
    logits when use_draft_logits) or prompt lookup (sequences.ngram_lookup, in process, no model, its
    draft cut where the context disagrees with it when ngram_min_token_prob > 0). The
-   round's draft length adapts (sequences.next_draft_len): it starts at the request's K
-   (num_draft_tokens), drops by one after a partly rejected draft and grows by two, never past K, after
+   round's draft length adapts (sequences.next_draft_len): it starts at the request's K (num_draft_tokens; 1 under
+   the slow start, below), drops by one after a partly rejected draft and grows by two, never past K, after
    a fully accepted one; a lookup miss decodes draft length + 1 tokens plainly;
 2. verify: one target call with input_ids = the sequence so far, draft_input_ids = the proposal
    (and draft_logits for lossless rejection sampling), request_output_len = K + 1; the target
@@ -27,14 +27,16 @@ adaptive draft length, the switch-off bar and the batch gate: load_serving_engin
 adds up the acceptance counters the engine returns (the engine's model exports the spec_decode_*
 metrics). That saves the BLS round trip of every round (about 3 ms on these CPUs, docs/benchmarks.md),
 and a lookup miss costs one plain step instead of K + 1 plain tokens. A draft failure switches that
-request to plain decoding, counted and logged. Acceptance below the switch-off bar after
-ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds (min_acceptance_rate, or the measured break-even
-`draft_token_cost` when that is higher: what a draft token costs a round, in plain steps; a draft
-accepted less often than that makes the request slower than plain decoding) backs the request off:
-it decodes BACK_OFF_TOKENS tokens plainly, twice as many after each further back-off, then drafts
+request to plain decoding, counted and logged. The switch-off (`RoundPolicy`): a request whose acceptance since it
+last (re)started drafting is below the switch-off bar (min_acceptance_rate, or the measured break-even
+`draft_token_cost` when that is higher: what a draft token costs a round, in plain steps; a draft accepted less often
+than that makes the request slower than plain decoding) after ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds, or whose
+rounds so far rule out reaching it (pipeline.acceptance's early stop, as the engine's policy stops a hopeless draft),
+backs off: it decodes BACK_OFF_TOKENS tokens plainly, twice as many after each further back-off, then drafts
 again from one-token drafts and fresh evidence (an answer that stops copying for a while, say a
 summary's own opening, may copy again later; a request whose drafts never pay spends ever less on
-them: `make bench-lookup` replays both). While more
+them: `make bench-lookup` replays both). Where draft tokens have a measured cost, a request also starts from
+one-token drafts (the slow start). While more
 requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
 TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
 Requests in flight are counted once, by `admit()`: the caller holds it for the whole request (the
@@ -51,6 +53,7 @@ from typing import AsyncIterator, Callable, Iterator, Protocol
 
 import numpy as np
 
+from pipeline.acceptance import ChainEvidence
 from pipeline.modes import traits
 from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, role_seed
 from pipeline.sequences import common_prefix_len, find_stop, next_draft_len, ngram_lookup
@@ -136,6 +139,53 @@ class RequestStats:
         return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
 
+class RoundPolicy:
+    """One request's draft length and switch-off over its rounds (see the module docstring), for the BLS and for
+    `make bench-lookup`'s replay.
+
+    The draft length starts at K, or at 1 under the slow start (draft tokens have a measured cost, as in the engine's
+    policy: a useless draft is found out by one-token probes, each standing for the draft of K it cut in the early
+    stop's evidence, until one of them is accepted); adaptive, it then follows `next_draft_len`. The evidence is the
+    rounds since drafting last (re)started: a round that drafted nothing (a lookup miss) counts towards
+    ROUNDS_BEFORE_ACCEPTANCE_CHECK, and the bar is linear: `bar` accepted tokens per draft token."""
+
+    def __init__(self, k: int, bar: float, slow_start: bool = False, adaptive: bool = True):
+        self.k, self.bar, self.adaptive = k, bar, adaptive
+        self.back_off = BACK_OFF_TOKENS  # the next back-off's plain tokens
+        self._start(probing=slow_start and bar > 0 and k > 1)
+
+    def _start(self, probing: bool) -> None:
+        """Fresh evidence; one-token drafts first when probing."""
+        self.rounds = self.drafted = self.accepted = 0
+        self.chain = ChainEvidence()
+        self.probing = probing
+        self.draft_len = 1 if probing else self.k
+
+    def record(self, proposed: int, accepted: int) -> int:
+        """Count one round that drafted `proposed` tokens (0: a lookup miss), `accepted` of them accepted, and adapt
+        the draft length. Returns the plain tokens to decode now before drafting again: 0, or a back-off's."""
+        self.rounds += 1
+        if proposed:
+            self.drafted += proposed
+            self.accepted += accepted
+            self.chain.add(accepted, proposed, self.k if self.probing else 0)
+            self.probing = self.probing and accepted == 0
+            if self.adaptive:
+                self.draft_len = next_draft_len(self.draft_len, accepted, proposed, self.k)
+        if self.bar <= 0 or not self.drafted or self._may_pay():
+            return 0
+        plain, self.back_off = self.back_off, self.back_off * 2
+        self._start(probing=self.adaptive)
+        return plain
+
+    def _may_pay(self) -> bool:
+        """After ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds: whether the acceptance clears the bar; before: whether the
+        rounds do not rule that out (pipeline.acceptance)."""
+        if self.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK:
+            return self.accepted >= self.bar * self.drafted
+        return self.chain.optimistic_accepted() >= self.bar * self.chain.draft_tokens
+
+
 @dataclass
 class Chunk:
     """Tokens to emit (with the target's per-token outputs the request asked for); `final` on the last chunk."""
@@ -215,9 +265,9 @@ class SpeculativeDecoder:
         if self.settings.engine_lookup:
             engine_k, speculate = (req.num_draft_tokens if speculate else 0), False
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
-        draft_len = req.num_draft_tokens  # adaptive: shorter after a rejection, longer after a full accept, at most K
-        evidence = RequestStats()  # the rounds since speculation last (re)started: what the switch-off bar judges
-        back_off, resume_at = BACK_OFF_TOKENS, 0  # the next back-off's plain tokens; plain until this many generated
+        policy = RoundPolicy(req.num_draft_tokens, self.settings.switch_off_below,
+                             slow_start=self.settings.draft_token_cost > 0)
+        resume_at = 0  # a back-off's plain tokens run until this many are generated
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             gated = speculate and self.gated()
@@ -245,20 +295,19 @@ class SpeculativeDecoder:
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
             try:
-                out, proposed, accepted, stopped = await self._round(req, generated, min(draft_len, remaining - 1))
+                out, proposed, accepted, stopped = await self._round(req, generated, min(policy.draft_len, remaining - 1))
             except DraftError as exc:
                 if not isinstance(exc.__cause__, ModelDown):  # a dead draft is logged once, not per request
                     self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
                 self.metrics.fallback()
                 stats.fell_back, speculate = True, False
                 continue
-            for counts in (stats, evidence):
-                counts.rounds += 1
-                counts.total_draft_tokens += proposed
-                counts.total_accepted_draft_tokens += accepted
+            stats.rounds += 1
+            stats.total_draft_tokens += proposed
+            stats.total_accepted_draft_tokens += accepted
             if proposed:
                 self.metrics.round(proposed, accepted)
-                draft_len = next_draft_len(draft_len, accepted, proposed, req.num_draft_tokens)
+            plain = policy.record(proposed, accepted)
             keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
             generated += out.tokens[:keep]
             if keep or out.context_logits is not None:
@@ -266,10 +315,8 @@ class SpeculativeDecoder:
             if reason or stopped:
                 finished = True
                 break
-            if (evidence.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK and evidence.total_draft_tokens
-                    and evidence.acceptance_rate < self.settings.switch_off_below):
-                resume_at, back_off = len(generated) + back_off, back_off * 2
-                evidence, draft_len = RequestStats(), 1
+            if plain:
+                resume_at = len(generated) + plain
         if not finished and len(generated) < req.max_tokens:
             raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)
