@@ -166,6 +166,11 @@ def test_float32_dense_linear_takes_verify_sized_calls_on_onednn():
     for n in (2, 6, 16):  # verify-sized calls: oneDNN's packed GEMM, within fp32 rounding of the same product
         torch.testing.assert_close(kernel(x[:n]), F.linear(x[:n], w), atol=1e-5, rtol=1e-5)
     assert kernel.nbytes == w.numel() * 4
+    # two rows run as three, the third zero: each row's sums as in a 3-row call, whatever the third row holds
+    two = kernel(x[:2])
+    assert two.shape == (2, 200) and two.is_contiguous()
+    assert torch.equal(two, kernel(torch.cat([x[:2], torch.zeros(1, 64)]))[:2])
+    assert torch.equal(two, kernel(x[:3])[:2])
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,10 @@ _fixed_grid_linear = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_outpu
 # float32 DenseLinear: calls of ONEDNN_ROWS rows (verifies, batched decode steps) run oneDNN's GEMM on weights
 # packed for ONEDNN_ROW_HINT rows; one row and prefill-sized calls stay on MKL (closest to transformers' logits)
 ONEDNN_ROWS, ONEDNN_ROW_HINT = range(2, 17), 6
+# oneDNN's fp32 GEMM runs 2 rows slower than 3 (SmolLM2's 30 layers of qkv, o, gate_up and down on two threads:
+# 20.5 ms at 2 rows, 14.9 at 3 and 14.1 at 6; 4.5 against 3.1 ms for its output layer): `onednn_linear` computes a
+# 2-row call as 3 rows, the third zero
+ONEDNN_PADDED_ROWS = 2
 # float32 DenseLinear: a one-row call whose weight has at least this many bytes (past the 1 MB L2) runs MKL's GEMV on
 # every thread, the output channels split between them (`dense_linear`, csrc/fused_layers.cpp): MKL runs one row on
 # one thread, and a weight streamed from L3 or memory reads about twice as fast on two (docs/benchmarks.md)
@@ -92,7 +96,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.packed is not None and rows in ONEDNN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         if rows == 1 and x.dim() == 2 and self.split_one_row and (split := dense_linear_op()) is not None:
             return split(x, self.weight, self.bias, ONE_ROW_SPLIT_BYTES)
         return F.linear(x, self.weight, self.bias)
@@ -101,6 +105,15 @@ class DenseLinear:
     def nbytes(self) -> int:
         """Bytes one call reads."""
         return tensor_bytes([self.weight, self.bias])
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, in] @ W.T (+ bias) -> [R, out] by oneDNN's fp32 GEMM on W prepacked (`_reorder_linear_weight`); a call of
+    ONEDNN_PADDED_ROWS rows runs with one more row of zeros, which oneDNN computes faster (the rows do not mix)."""
+    if x.shape[0] == ONEDNN_PADDED_ROWS:
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:ONEDNN_PADDED_ROWS]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class Int8WeightOnly:

@@ -305,9 +305,10 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
 
 // The output layer x [R, hidden] -> logits [R, vocab] as the draft's Python output layer runs it
 // (pipeline/reference/linear.py): BFloat16Weights, the bf16 kernel on its packed weight (`bf16`, empty: none); else
-// DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows,
-// else `linear` on `weight` (MKL: the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer
-// draft proposed 4 tokens in 162 ms on at::linear against 94 forward by forward on oneDNN.
+// DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows
+// (`onednn_linear`: 2 rows run as 3, the third zero, which oneDNN computes faster), else `linear` on `weight` (MKL:
+// the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in 162 ms
+// on at::linear against 94 forward by forward on oneDNN.
 at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bf16, const at::Tensor& packed,
                         int64_t min_rows, int64_t max_rows, int64_t split_min_bytes) {
   if (bf16.numel() > 0) {
@@ -319,10 +320,12 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
   if (packed.numel() == 0 || x.size(0) < min_rows || x.size(0) > max_rows)
     return linear(x, weight, std::nullopt, split_min_bytes);
   static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
-  std::vector<c10::IValue> stack{x.contiguous(), packed, c10::IValue(), std::string("none"),
+  const int64_t rows = x.size(0), padded_rows = 2;  // linear.py's ONEDNN_PADDED_ROWS
+  const at::Tensor in = rows == padded_rows ? at::cat({x, x.new_zeros({1, x.size(1)})}) : x.contiguous();
+  std::vector<c10::IValue> stack{in, packed, c10::IValue(), std::string("none"),
                                  c10::List<std::optional<at::Scalar>>(), std::string("")};
   onednn.callBoxed(stack);
-  return stack[0].toTensor();
+  return rows == padded_rows ? stack[0].toTensor().narrow(0, 0, rows) : stack[0].toTensor();
 }
 
 // Greedy draft chains of a dense float32 model (a draft) in one call. Request b's first forward row set is its feed
