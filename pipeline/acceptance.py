@@ -21,7 +21,7 @@ from typing import Iterable
 EARLY_STOP_RISK = 0.05
 
 
-def acceptance_upper_bound(accepted: int, checked: int, risk: float) -> float:
+def acceptance_upper_bound(accepted: float, checked: float, risk: float) -> float:
     """The largest acceptance probability p that `accepted` of `checked` independent positions do not rule out at
     `risk`: Chernoff's bound checked * KL(accepted / checked || p) <= ln(1 / risk), found by bisection."""
     observed, limit = accepted / checked, math.log(1 / risk) / checked
@@ -46,8 +46,8 @@ class ChainEvidence:
     each stands for (a probe cut short from K stands for the draft of K: a rejection at its first position is the same
     evidence at 1 as at K)."""
 
-    checked: int = 0
-    accepted: int = 0
+    checked: float = 0
+    accepted: float = 0
     lengths: Counter = field(default_factory=Counter)
 
     def add(self, num_accepted: int, num_proposed: int, stands_for: int = 0) -> None:
@@ -66,13 +66,20 @@ class ChainEvidence:
             pool.lengths.update(part.lengths)
         return pool
 
+    def fade(self, factor: float) -> None:
+        """Weigh what was counted so far by `factor` (counts become fractional: older evidence says less)."""
+        self.checked *= factor
+        self.accepted *= factor
+        for k in self.lengths:
+            self.lengths[k] *= factor
+
     @property
-    def steps(self) -> int:
+    def steps(self) -> float:
         """Verified chains counted."""
         return sum(self.lengths.values())
 
     @property
-    def draft_tokens(self) -> int:
+    def draft_tokens(self) -> float:
         """The draft tokens the steps stand for."""
         return sum(k * n for k, n in self.lengths.items())
 

@@ -56,3 +56,23 @@ def test_the_window_decides_what_the_early_rounds_cannot_rule_out():
     assert policy.draft_len == 4  # not adaptive: back at K
     kept = RoundPolicy(k=4, bar=0.2, adaptive=False)
     assert [kept.record(4, 1) for _ in range(3 * ROUNDS_BEFORE_ACCEPTANCE_CHECK)] == [0] * 3 * ROUNDS_BEFORE_ACCEPTANCE_CHECK
+
+
+def test_recent_requests_rounds_open_a_request_with_a_back_off_until_their_evidence_fades():
+    """A request's rounds join the recent evidence; a new request whose recent evidence already rules out the bar
+    starts with a back-off (and its next one is twice as long), and the evidence, faded by the decoder as requests
+    start, stops ruling it out: a rejected probe weighed by a half leaves a position's acceptance up to 0.95."""
+    recent = ChainEvidence()
+    first = RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent)
+    assert first.opening_plain == 0  # nothing known yet
+    assert [first.record(1, 0), first.record(1, 0)] == [0, BACK_OFF_TOKENS]
+    assert (recent.checked, recent.lengths[4]) == (2, 2)  # its two probes, each standing for a draft of 4
+    second = RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent)
+    assert second.opening_plain == BACK_OFF_TOKENS and second.draft_len == 1
+    assert [second.record(1, 0), second.record(1, 0)] == [0, 2 * BACK_OFF_TOKENS]
+    recent.fade(0.25)  # 4 probes weigh 1
+    assert RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent).opening_plain == 0
+    decent = ChainEvidence()
+    decent.add(3, 4)
+    decent.add(1, 4)
+    assert RoundPolicy(k=4, bar=0.6, slow_start=True, recent=decent).opening_plain == 0

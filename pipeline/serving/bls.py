@@ -36,7 +36,10 @@ backs off: it decodes BACK_OFF_TOKENS tokens plainly, twice as many after each f
 again from one-token drafts and fresh evidence (an answer that stops copying for a while, say a
 summary's own opening, may copy again later; a request whose drafts never pay spends ever less on
 them: `make bench-lookup` replays both). Where draft tokens have a measured cost, a request also starts from
-one-token drafts (the slow start). While more
+one-token drafts (the slow start). A request whose model instance's recent requests' rounds already rule out the bar
+(`SpeculativeDecoder.recent`, fading with every new speculative request, as the engine's policy weighs finished
+requests' evidence) starts with a back-off: a useless draft costs it no probe and no draft prefill of its prompt
+before its first token. While more
 requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
 TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
 Requests in flight are counted once, by `admit()`: the caller holds it for the whole request (the
@@ -63,6 +66,9 @@ from pipeline.serving.text import IncrementalDetokenizer
 
 ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before the switch-off bar may back it off
 BACK_OFF_TOKENS = 16  # the first back-off's plain tokens; each further back-off of the request doubles it
+# Every new speculative request weighs the earlier requests' rounds by this (SpeculativeDecoder.recent): the evidence
+# that may open a request with a back-off covers about the last two requests, and every request still probes
+RECENT_EVIDENCE_DECAY = 0.5
 # Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
 # BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
 PLAIN_CHUNK_TOKENS = 16
@@ -149,10 +155,14 @@ class RoundPolicy:
     rounds since drafting last (re)started: a round that drafted nothing (a lookup miss) counts towards
     ROUNDS_BEFORE_ACCEPTANCE_CHECK, and the bar is linear: `bar` accepted tokens per draft token."""
 
-    def __init__(self, k: int, bar: float, slow_start: bool = False, adaptive: bool = True):
-        self.k, self.bar, self.adaptive = k, bar, adaptive
+    def __init__(self, k: int, bar: float, slow_start: bool = False, adaptive: bool = True,
+                 recent: ChainEvidence | None = None):
+        """recent: the chain evidence of recent requests' rounds, which this request's rounds join; where it already
+        rules out the bar, the request starts with a back-off (`opening_plain` tokens)."""
+        self.k, self.bar, self.adaptive, self.recent = k, bar, adaptive, recent
         self.back_off = BACK_OFF_TOKENS  # the next back-off's plain tokens
         self._start(probing=slow_start and bar > 0 and k > 1)
+        self.opening_plain = self._back_off() if recent is not None and bar > 0 and not self._may_pay(recent) else 0
 
     def _start(self, probing: bool) -> None:
         """Fresh evidence; one-token drafts first when probing."""
@@ -161,6 +171,12 @@ class RoundPolicy:
         self.probing = probing
         self.draft_len = 1 if probing else self.k
 
+    def _back_off(self) -> int:
+        """Start a back-off: its plain tokens (twice as many next time), then fresh evidence."""
+        plain, self.back_off = self.back_off, self.back_off * 2
+        self._start(probing=self.adaptive)
+        return plain
+
     def record(self, proposed: int, accepted: int) -> int:
         """Count one round that drafted `proposed` tokens (0: a lookup miss), `accepted` of them accepted, and adapt
         the draft length. Returns the plain tokens to decode now before drafting again: 0, or a back-off's."""
@@ -168,22 +184,23 @@ class RoundPolicy:
         if proposed:
             self.drafted += proposed
             self.accepted += accepted
-            self.chain.add(accepted, proposed, self.k if self.probing else 0)
+            stands_for = self.k if self.probing else 0
+            self.chain.add(accepted, proposed, stands_for)
+            if self.recent is not None:
+                self.recent.add(accepted, proposed, stands_for)
             self.probing = self.probing and accepted == 0
             if self.adaptive:
                 self.draft_len = next_draft_len(self.draft_len, accepted, proposed, self.k)
-        if self.bar <= 0 or not self.drafted or self._may_pay():
+        if self.bar <= 0 or not self.drafted or self._may_pay(self.chain):
             return 0
-        plain, self.back_off = self.back_off, self.back_off * 2
-        self._start(probing=self.adaptive)
-        return plain
+        return self._back_off()
 
-    def _may_pay(self) -> bool:
+    def _may_pay(self, chain: ChainEvidence) -> bool:
         """After ROUNDS_BEFORE_ACCEPTANCE_CHECK rounds: whether the acceptance clears the bar; before: whether the
-        rounds do not rule that out (pipeline.acceptance)."""
+        chain evidence (the rounds', or recent requests') does not rule that out (pipeline.acceptance)."""
         if self.rounds >= ROUNDS_BEFORE_ACCEPTANCE_CHECK:
             return self.accepted >= self.bar * self.drafted
-        return self.chain.optimistic_accepted() >= self.bar * self.chain.draft_tokens
+        return chain.optimistic_accepted() >= self.bar * chain.draft_tokens
 
 
 @dataclass
@@ -215,6 +232,7 @@ class SpeculativeDecoder:
         # prompt lookup's settings when the BLS makes the drafts itself (mode ngram, not engine_lookup), else None
         self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
                       if traits(settings.speculative_mode).prompt_lookup and not settings.engine_lookup else None)
+        self.recent = ChainEvidence()  # recent requests' rounds (RoundPolicy), fading by RECENT_EVIDENCE_DECAY
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
@@ -265,9 +283,11 @@ class SpeculativeDecoder:
         if self.settings.engine_lookup:
             engine_k, speculate = (req.num_draft_tokens if speculate else 0), False
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
+        if speculate:
+            self.recent.fade(RECENT_EVIDENCE_DECAY)
         policy = RoundPolicy(req.num_draft_tokens, self.settings.switch_off_below,
-                             slow_start=self.settings.draft_token_cost > 0)
-        resume_at = 0  # a back-off's plain tokens run until this many are generated
+                             slow_start=self.settings.draft_token_cost > 0, recent=self.recent if speculate else None)
+        resume_at = policy.opening_plain  # a back-off's plain tokens run until this many are generated
         while len(generated) < req.max_tokens and not cancelled():
             remaining = req.max_tokens - len(generated)
             gated = speculate and self.gated()
