@@ -55,7 +55,8 @@ def test_the_window_decides_what_the_early_rounds_cannot_rule_out():
     assert backs == [0] * (ROUNDS_BEFORE_ACCEPTANCE_CHECK - 2) + [BACK_OFF_TOKENS]
     assert policy.draft_len == 4  # not adaptive: back at K
     kept = RoundPolicy(k=4, bar=0.2, adaptive=False)
-    assert [kept.record(4, 1) for _ in range(3 * ROUNDS_BEFORE_ACCEPTANCE_CHECK)] == [0] * 3 * ROUNDS_BEFORE_ACCEPTANCE_CHECK
+    rounds = 3 * ROUNDS_BEFORE_ACCEPTANCE_CHECK
+    assert [kept.record(4, 1) for _ in range(rounds)] == [0] * rounds
 
 
 def test_recent_requests_rounds_open_a_request_with_a_back_off_until_their_evidence_fades():

@@ -40,8 +40,8 @@ CEILING_K = 16
 @dataclass(frozen=True)
 class LookupPolicy:
     """How a request drafts: at most K tokens per round (adaptive: the BLS's draft length schedule, else always K),
-    plain tokens per lookup miss (None: draft length + 1, as the BLS), the switch-off bar (pipeline.serving.bls.RoundPolicy;
-    0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
+    plain tokens per lookup miss (None: draft length + 1, as the BLS), the switch-off bar
+    (pipeline.serving.bls.RoundPolicy; 0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
 
     name: str
     k: int

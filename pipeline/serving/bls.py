@@ -315,7 +315,8 @@ class SpeculativeDecoder:
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
             try:
-                out, proposed, accepted, stopped = await self._round(req, generated, min(policy.draft_len, remaining - 1))
+                out, proposed, accepted, stopped = await self._round(req, generated,
+                                                                     min(policy.draft_len, remaining - 1))
             except DraftError as exc:
                 if not isinstance(exc.__cause__, ModelDown):  # a dead draft is logged once, not per request
                     self.log_warning(f"tensorrt_llm_bls: draft model failed ({exc}); this request continues without speculation")
