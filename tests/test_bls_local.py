@@ -302,10 +302,10 @@ def test_measured_draft_token_cost_slow_starts_backs_off_a_draft_below_break_eve
     assert max(p for p, _ in above_rounds) == 3  # the slow start ended
 
 
-def test_a_draft_the_last_requests_ruled_out_opens_the_next_request_with_plain_tokens(engines):
+def test_a_draft_the_last_requests_ruled_out_keeps_the_next_request_plain(engines):
     """A draft that earns less than it costs: the decoder's first request probes it at once (its first call is the
-    draft's) and backs off; the next request, with that evidence, starts with a back-off (its first call is the
-    target's plain chunk); both answer plain's text."""
+    draft's) and backs off; the next request, with that evidence, starts with a back-off and, the evidence still ruling
+    the draft out when it ends, backs off further: it never calls the draft. Both answer plain's text."""
     runners, tokenizer = engines
     text = "the the the cat sat on the mat and the cat sat on the"
     calls = []
@@ -323,13 +323,13 @@ def test_a_draft_the_last_requests_ruled_out_opens_the_next_request_with_plain_t
                            max_draft_len=4, max_input_len=48, max_seq_len=64, verify_input_len=63,
                            min_acceptance_rate=0.05, draft_token_cost=0.95)
     plain, _ = run(SpeculativeDecoder(settings, LocalModelClient(runners), Rounds()), tokenizer, settings, text, 40, 0)
-    decoder, first_calls = SpeculativeDecoder(settings, CallLog(runners), Rounds()), []
+    decoder, drafts = SpeculativeDecoder(settings, CallLog(runners), Rounds()), []
     for _ in range(2):
         calls.clear()
         tokens, _ = run(decoder, tokenizer, settings, text, 40, 3)
-        assert tokens == plain and "tensorrt_llm_draft" in calls  # the second request probes after its back-off
-        first_calls.append(calls[0])
-    assert first_calls == ["tensorrt_llm_draft", "tensorrt_llm"]
+        assert tokens == plain
+        drafts.append(calls.count("tensorrt_llm_draft"))
+    assert drafts[0] > 0 and drafts[1] == 0
 
 
 def test_draft_length_adapts_per_round_within_k(engines):

@@ -59,21 +59,23 @@ def test_the_window_decides_what_the_early_rounds_cannot_rule_out():
     assert [kept.record(4, 1) for _ in range(rounds)] == [0] * rounds
 
 
-def test_recent_requests_rounds_open_a_request_with_a_back_off_until_their_evidence_fades():
-    """A request's rounds join the recent evidence; a new request whose recent evidence already rules out the bar
-    starts with a back-off (and its next one is twice as long), and the evidence, faded by the decoder as requests
-    start, stops ruling it out: a rejected probe weighed by a half leaves a position's acceptance up to 0.95."""
+def test_recent_requests_rounds_keep_a_request_backed_off_until_their_evidence_fades():
+    """A request's rounds join the recent evidence. A new request whose recent evidence rules out the bar starts with a
+    back-off, and at the end of a back-off asks again (backing off twice as long); once the evidence has faded (the
+    decoder fades it with the tokens it generates) it drafts again: one rejected probe leaves a position's acceptance
+    up to 0.95, which a draft of 4 would pay with at a bar of 0.6."""
     recent = ChainEvidence()
     first = RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent)
     assert first.opening_plain == 0  # nothing known yet
     assert [first.record(1, 0), first.record(1, 0)] == [0, BACK_OFF_TOKENS]
     assert (recent.checked, recent.lengths[4]) == (2, 2)  # its two probes, each standing for a draft of 4
+    assert first.resume() == 2 * BACK_OFF_TOKENS  # its back-off is over, but the evidence still rules the bar out
     second = RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent)
     assert second.opening_plain == BACK_OFF_TOKENS and second.draft_len == 1
-    assert [second.record(1, 0), second.record(1, 0)] == [0, 2 * BACK_OFF_TOKENS]
-    recent.fade(0.25)  # 4 probes weigh 1
-    assert RoundPolicy(k=4, bar=0.6, slow_start=True, recent=recent).opening_plain == 0
+    recent.fade(0.5)  # one probe's worth left
+    assert second.resume() == 0 and second.draft_len == 1  # drafts again, from a one-token probe
     decent = ChainEvidence()
     decent.add(3, 4)
     decent.add(1, 4)
     assert RoundPolicy(k=4, bar=0.6, slow_start=True, recent=decent).opening_plain == 0
+    assert RoundPolicy(k=4, bar=0.6, slow_start=True).resume() == 0  # no recent evidence given: nothing to ask

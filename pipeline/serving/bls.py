@@ -36,10 +36,11 @@ backs off: it decodes BACK_OFF_TOKENS tokens plainly, twice as many after each f
 again from one-token drafts and fresh evidence (an answer that stops copying for a while, say a
 summary's own opening, may copy again later; a request whose drafts never pay spends ever less on
 them: `make bench-lookup` replays both). Where draft tokens have a measured cost, a request also starts from
-one-token drafts (the slow start). A request whose model instance's recent requests' rounds already rule out the bar
-(`SpeculativeDecoder.recent`, fading with every new speculative request, as the engine's policy weighs finished
-requests' evidence) starts with a back-off: a useless draft costs it no probe and no draft prefill of its prompt
-before its first token. While more
+one-token drafts (the slow start). Where the model instance's recent requests' rounds rule out the bar
+(`SpeculativeDecoder.recent`, fading with the tokens the instance generates, as the engine's policy weighs finished
+requests' evidence), a request starts with a back-off and backs off further when one ends: a useless draft is probed
+by a few requests now and then, not by every request after each back-off, and a request it keeps off pays no draft
+prefill before its first token. While more
 requests than max_batch_for_speculation are in flight in this model instance (the batch gate, as
 TensorRT-LLM's Drafter and vLLM's disable_by_batch_size), speculative requests decode plain chunks.
 Requests in flight are counted once, by `admit()`: the caller holds it for the whole request (the
@@ -66,9 +67,10 @@ from pipeline.serving.text import IncrementalDetokenizer
 
 ROUNDS_BEFORE_ACCEPTANCE_CHECK = 8  # rounds a request speculates before the switch-off bar may back it off
 BACK_OFF_TOKENS = 16  # the first back-off's plain tokens; each further back-off of the request doubles it
-# Every new speculative request weighs the earlier requests' rounds by this (SpeculativeDecoder.recent): the evidence
-# that may open a request with a back-off covers about the last two requests, and every request still probes
-RECENT_EVIDENCE_DECAY = 0.5
+# The recent requests' rounds (SpeculativeDecoder.recent) weigh half as much after the model instance generated this
+# many more tokens (the engine's policy fades its finished requests' evidence per step): two one-token probes
+# rejected keep a useless draft of K=4 off at a bar of 0.7 for about 100 tokens of traffic, two more for about 300
+RECENT_HALF_LIFE_TOKENS = 256
 # Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
 # BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
 PLAIN_CHUNK_TOKENS = 16
@@ -157,12 +159,17 @@ class RoundPolicy:
 
     def __init__(self, k: int, bar: float, slow_start: bool = False, adaptive: bool = True,
                  recent: ChainEvidence | None = None):
-        """recent: the chain evidence of recent requests' rounds, which this request's rounds join; where it already
-        rules out the bar, the request starts with a back-off (`opening_plain` tokens)."""
+        """recent: the chain evidence of recent requests' rounds, which this request's rounds join; where it rules out
+        the bar, the request starts with a back-off (`opening_plain` tokens) and backs off further (`resume`)."""
         self.k, self.bar, self.adaptive, self.recent = k, bar, adaptive, recent
         self.back_off = BACK_OFF_TOKENS  # the next back-off's plain tokens
         self._start(probing=slow_start and bar > 0 and k > 1)
-        self.opening_plain = self._back_off() if recent is not None and bar > 0 and not self._may_pay(recent) else 0
+        self.opening_plain = self.resume()
+
+    def resume(self) -> int:
+        """Before drafting (the request's first round, and the first after each back-off): the plain tokens of a
+        (further) back-off where the recent requests' rounds rule out the bar, else 0."""
+        return self._back_off() if self.recent is not None and self.bar > 0 and not self._may_pay(self.recent) else 0
 
     def _start(self, probing: bool) -> None:
         """Fresh evidence; one-token drafts first when probing."""
@@ -232,7 +239,7 @@ class SpeculativeDecoder:
         # prompt lookup's settings when the BLS makes the drafts itself (mode ngram, not engine_lookup), else None
         self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
                       if traits(settings.speculative_mode).prompt_lookup and not settings.engine_lookup else None)
-        self.recent = ChainEvidence()  # recent requests' rounds (RoundPolicy), fading by RECENT_EVIDENCE_DECAY
+        self.recent = ChainEvidence()  # recent requests' rounds (RoundPolicy), fading with RECENT_HALF_LIFE_TOKENS
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
@@ -283,8 +290,6 @@ class SpeculativeDecoder:
         if self.settings.engine_lookup:
             engine_k, speculate = (req.num_draft_tokens if speculate else 0), False
         finished = False  # an end_id / stop word / the target stopping; reaching max_tokens is checked below
-        if speculate:
-            self.recent.fade(RECENT_EVIDENCE_DECAY)
         policy = RoundPolicy(req.num_draft_tokens, self.settings.switch_off_below,
                              slow_start=self.settings.draft_token_cost > 0, recent=self.recent if speculate else None)
         resume_at = policy.opening_plain  # a back-off's plain tokens run until this many are generated
@@ -306,11 +311,14 @@ class SpeculativeDecoder:
                     got += len(out.tokens)
                     keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
                     generated += out.tokens[:keep]
+                    self._generated(keep)
                     if keep or out.context_logits is not None:
                         yield Chunk(out.tokens[:keep], target=out.head(keep))
                     if reason:
                         break
                 if pausing and not reason and got == budget and not cancelled():
+                    if backed_off and len(generated) >= resume_at:  # the back-off is over: draft, or back off further
+                        resume_at = len(generated) + policy.resume()
                     continue
                 finished = bool(reason) or not cancelled()  # _plain returns early only when cancelled
                 break
@@ -331,6 +339,7 @@ class SpeculativeDecoder:
             plain = policy.record(proposed, accepted)
             keep, reason = find_stop(generated + out.tokens, len(out.tokens), req.end_id, req.stop_words)
             generated += out.tokens[:keep]
+            self._generated(keep)
             if keep or out.context_logits is not None:
                 yield Chunk(out.tokens[:keep], target=out.head(keep))
             if reason or stopped:
@@ -341,6 +350,10 @@ class SpeculativeDecoder:
         if not finished and len(generated) < req.max_tokens:
             raise Stopped(f"stopped after {len(generated)} of {req.max_tokens} tokens")
         yield Chunk([], final=True, stats=stats)
+
+    def _generated(self, tokens: int) -> None:
+        """Count tokens the model instance generated: the recent requests' rounds fade with them."""
+        self.recent.fade(0.5 ** (tokens / RECENT_HALF_LIFE_TOKENS))
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
                      engine_k: int | None, stats: RequestStats) -> AsyncIterator[Generation]:
