@@ -79,3 +79,16 @@ def test_recent_requests_rounds_keep_a_request_backed_off_until_their_evidence_f
     decent.add(1, 4)
     assert RoundPolicy(k=4, bar=0.6, slow_start=True, recent=decent).opening_plain == 0
     assert RoundPolicy(k=4, bar=0.6, slow_start=True).resume() == 0  # no recent evidence given: nothing to ask
+
+
+def test_the_decoder_keeps_recent_evidence_only_where_requests_run_rounds_under_a_switch_off():
+    """Nothing to keep (nor to fade per streamed chunk) where the BLS drafts nothing itself or no bar switches off."""
+    from pipeline.serving.bls import SpeculativeDecoder
+    from pipeline.serving.params import BlsSettings
+
+    for mode, engine_lookup, rate, kept in (("draft_target", False, 0.1, True), ("ngram", False, 0.1, True),
+                                            ("ngram", True, 0.1, False), ("draft_target", False, 0.0, False),
+                                            ("medusa", False, 0.1, False)):
+        settings = BlsSettings(tokenizer_dir="", speculative_mode=mode, engine_lookup=engine_lookup,
+                               min_acceptance_rate=rate)
+        assert (SpeculativeDecoder(settings, client=None, metrics=None).recent is not None) == kept, mode

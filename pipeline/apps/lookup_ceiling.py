@@ -84,13 +84,13 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     exactly when it equals the answer's next token). The prompt's prefill forward is not counted (plain decoding
     pays it too)."""
     out = Replay(tokens=len(answer))
-    done, rounds = 0, RoundPolicy(policy.k, policy.switch_off_below, adaptive=policy.adaptive)  # as the BLS
+    done, schedule = 0, RoundPolicy(policy.k, policy.switch_off_below, adaptive=policy.adaptive)  # as the BLS
     while done < len(answer):
         remaining = len(answer) - done
         if remaining == 1:
             out.forwards += remaining
             break
-        k = min(rounds.draft_len, remaining - 1)
+        k = min(schedule.draft_len, remaining - 1)
         draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
         accepted = 0
         if not draft:
@@ -104,7 +104,7 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
             out.drafted += len(draft)
             out.accepted += accepted
             done += accepted + 1
-        plain = min(rounds.record(len(draft), accepted), len(answer) - done)  # a back-off's plain tokens
+        plain = min(schedule.record(len(draft), accepted), len(answer) - done)  # a back-off's plain tokens
         out.forwards += plain
         done += plain
     return out

@@ -239,7 +239,10 @@ class SpeculativeDecoder:
         # prompt lookup's settings when the BLS makes the drafts itself (mode ngram, not engine_lookup), else None
         self.ngram = ((settings.ngram_min, settings.ngram_max, settings.ngram_min_token_prob)
                       if traits(settings.speculative_mode).prompt_lookup and not settings.engine_lookup else None)
-        self.recent = ChainEvidence()  # recent requests' rounds (RoundPolicy), fading with RECENT_HALF_LIFE_TOKENS
+        # recent requests' rounds (RoundPolicy), fading with RECENT_HALF_LIFE_TOKENS; None where no request runs rounds
+        # under a switch-off (no BLS drafts: none, medusa, eagle, or a target that drafts itself; no switch-off bar)
+        rounds = traits(settings.speculative_mode).bls_drafts and not settings.engine_lookup
+        self.recent = ChainEvidence() if rounds and settings.switch_off_below > 0 else None
         self.in_flight = 0  # requests admitted in this model instance and not finished (see admit())
         self.on_in_flight = on_in_flight  # told every new in_flight count (the server's gauge)
 
@@ -352,8 +355,9 @@ class SpeculativeDecoder:
         yield Chunk([], final=True, stats=stats)
 
     def _generated(self, tokens: int) -> None:
-        """Count tokens the model instance generated: the recent requests' rounds fade with them."""
-        self.recent.fade(0.5 ** (tokens / RECENT_HALF_LIFE_TOKENS))
+        """Count tokens the model instance generated: the recent requests' rounds (if kept) fade with them."""
+        if self.recent is not None:
+            self.recent.fade(0.5 ** (tokens / RECENT_HALF_LIFE_TOKENS))
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
                      engine_k: int | None, stats: RequestStats) -> AsyncIterator[Generation]:
