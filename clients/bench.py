@@ -22,6 +22,8 @@ Each (prompt set, concurrency) group's K cells run `repeats` times, the K order 
 the order of cells hit every K alike; a cell pools its repeats (tokens over summed wall time) and also
 keeps each repeat's output tokens/s and speedup, whose spread shows the noise and how much the repeats' prompts
 differ (a speculative cell's repeats measure different prompts; the pooled value measures the set).
+The machine's 1-minute load average is read before every cell's run (the schedule keeps it) and at the end, and
+the report prints its median and range: on a shared host it says which cells ran on a busy machine.
 It writes bench.json, bench.md (tables + the best K per prompt set and concurrency) and plots (speedup_split.png:
 the three factors of each speedup).
 
@@ -38,7 +40,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
+import statistics
 import sys
 import time
 import urllib.request
@@ -322,18 +326,18 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
                         for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:
                             progress.set_description(f"{prompt_set.name} C={concurrency} K={k} repeat {repeat + 1}")
                             requests = prompt_set.requests(template, cfg.max_tokens, k, sampling)
-                            before = scrape_counters(cfg.metrics_url)
+                            before, load = scrape_counters(cfg.metrics_url), os.getloadavg()[0]
                             records, errors, wall = await run_cell(client, requests, concurrency, counts[concurrency],
                                                                    progress, first=repeat * counts[concurrency])
                             runs[k].append((records, errors, wall, counter_delta(before, scrape_counters(cfg.metrics_url))))
                             schedule.append({"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k,
-                                             "repeat": repeat})
+                                             "repeat": repeat, "load": load})
                     cells += [{"prompt_set": prompt_set.name, "concurrency": concurrency, "k": k, **pool_repeats(runs[k], k)}
                               for k in ks]
     finally:
         await client.close()
     add_speedups(cells)
-    return {"config": asdict(cfg), "started": started, "schedule": schedule,
+    return {"config": asdict(cfg), "started": started, "schedule": schedule, "load_at_end": os.getloadavg()[0],
             "cells": cells, "recommendations": recommend(cells)}
 
 
@@ -388,13 +392,24 @@ def _spread(values: list[float | None] | None) -> str:
     return f" ({'/'.join(_fmt(v, '.2f') for v in values)})" if values and len(values) > 1 else ""
 
 
+def _load_line(report: dict) -> list[str]:
+    """This machine's 1-minute load average over the run, read before every cell's run and at the end (reports
+    written before it was recorded have none)."""
+    loads = [s["load"] for s in report.get("schedule", []) if "load" in s]
+    if not loads:
+        return []
+    return [f"Load average (1 min, the machine running the benchmark) before each cell's run: median "
+            f"{statistics.median(loads):.2f}, {min(loads):.2f}-{max(loads):.2f}; {report['load_at_end']:.2f} at the end."]
+
+
 def render_markdown(report: dict) -> str:
     """The report as markdown: one row per cell, then the recommendations."""
     cfg = report["config"]
     lines = [f"# Serving benchmark ({report['started']})", "",
              f"Server {cfg['url']} ({cfg['protocol']}, model {cfg['model']}), max_tokens {cfg['max_tokens']}, "
              f"temperature {cfg['temperature']}, at least {cfg['requests_per_cell']} requests per cell and repeat, "
-             f"{cfg.get('repeats', 1)} repeats in rotated K order (speedup: pooled, then each repeat's), streaming.", "",
+             f"{cfg.get('repeats', 1)} repeats in rotated K order (speedup: pooled, then each repeat's), streaming.",
+             *_load_line(report), "",
              "| prompt set | C | K | req/s | out tok/s | speedup | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
              "| ITL p50/p99 ms | acceptance | accepted len | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,16 @@ def test_every_cell_ran_and_counts_add_up(report):
             p = c[metric]
             assert None not in p.values() and 0 < p["p50"] <= p["p90"] <= p["p99"], metric
         assert c["ttft_ms"]["p50"] <= c["latency_ms"]["p50"]
+
+
+def test_the_load_average_is_read_before_every_cells_run_and_printed(report):
+    result, paths = report
+    loads = [s["load"] for s in result["schedule"]] + [result["load_at_end"]]
+    assert len(loads) == 9 and all(isinstance(x, float) and x >= 0 for x in loads)
+    markdown = next(p for p in paths if p.suffix == ".md").read_text()
+    line = next(x for x in markdown.splitlines() if x.startswith("Load average"))
+    assert f"median {statistics.median(loads[:-1]):.2f}, {min(loads[:-1]):.2f}-{max(loads[:-1]):.2f}" in line
+    assert json.loads(next(p for p in paths if p.suffix == ".json").read_text())["schedule"][0]["load"] == loads[0]
 
 
 def test_repeats_rotate_the_k_order_and_move_on_through_the_prompts(report):

@@ -6,7 +6,8 @@ pair a quiet minute with a loaded one. The served lookup's parameters come from 
 
 import pytest
 
-from pipeline.apps.bench_engine import goals, paired_speedup, run_rounds, served_lookup_parameters, speedups
+from pipeline.apps.bench_engine import (goals, paired_speedup, render_markdown, run_rounds, served_lookup_parameters,
+                                       speedups)
 
 
 def test_a_run_as_fast_as_its_rounds_plain_run_is_1x_whatever_the_machine_did():
@@ -62,7 +63,8 @@ def scheduled_rounds(plain_before_each: bool):
     spec = lambda: object()  # noqa: E731 - a stand-in proposer factory
     jobs = [("plain", 1, 0, [], lambda: None), ("draft", 1, 2, [], spec), ("draft", 1, 4, [], spec),
             ("plain", 8, 0, [], lambda: None), ("draft", 8, 2, [], spec)]
-    return run_rounds(jobs, 2, run, plain_before_each, read_bandwidth=lambda: 1.0), calls
+    loads = iter([0.5, 1.5])
+    return run_rounds(jobs, 2, run, plain_before_each, read_bandwidth=lambda: 1.0, read_load=lambda: next(loads)), calls
 
 
 def test_each_speculative_run_pairs_with_the_plain_run_right_before_it_where_asked():
@@ -74,6 +76,7 @@ def test_each_speculative_run_pairs_with_the_plain_run_right_before_it_where_ask
             assert calls[run - 1][1] and calls[run - 2] == (calls[run - 1][0], False)  # a plain run of its batch first
             assert rounds.baseline_tps[i][r] == run - 1 and rounds.baseline_cpu[i][r] == run - 0.5
     assert rounds.baseline_tps[0] == rounds.tps[0] and rounds.bandwidths == [1.0, 1.0]
+    assert rounds.loads == [0.5, 1.5]  # read with each round's bandwidth
     assert rounds.summaries[4] == {"run": int(rounds.tps[4][1])}  # the last round's
 
 
@@ -96,3 +99,13 @@ def test_the_served_lookup_comes_from_a_repository_whose_engine_runs_prompt_look
     config.write_text('name: "tensorrt_llm"\n' + param.format("speculative_mode", "ngram")
                       + param.format("num_draft_tokens", "5"))
     assert served_lookup_parameters(tmp_path) == {"speculative_mode": "ngram", "num_draft_tokens": "5"}
+
+
+def test_the_report_prints_the_load_average_read_with_each_bandwidth():
+    result = {"date": "2026-12-05 16:00 UTC", "dtype": "float32", "threads": 2, "seconds": 1.0, "command": "make bench-engine",
+              "goals": [], "rows": [{"pair": "smollm2-draft", "engine": "roofline", "method": "weights/bandwidth", "batch": 1,
+                                     "k": 0, "tok_s": 200.0, "speedup_vs_our_plain": 1.3, "bandwidth_gbs": 35.0,
+                                     "bandwidth_range": [34.0, 60.0], "load_average": 1.25, "load_range": [0.5, 2.0]}]}
+    header = render_markdown(result).splitlines()[0]
+    assert "read bandwidth GB/s" in header and "smollm2-draft 35.0 (34.0-60.0)" in header
+    assert "1-minute load average (median and range, read with them): smollm2-draft 1.25 (0.50-2.00)" in header

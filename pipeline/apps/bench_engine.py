@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -322,6 +323,8 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
                  "tok_s": round(statistics.median(rooflines), 2), "weight_mb": round(target.weight_bytes / 1e6, 1),
                  "bandwidth_gbs": round(statistics.median(bandwidths), 2),
                  "bandwidth_range": [round(min(bandwidths), 2), round(max(bandwidths), 2)],
+                 "load_average": round(statistics.median(measured.loads), 2),
+                 "load_range": [round(min(measured.loads), 2), round(max(measured.loads), 2)],
                  "plain_share": round(share, 3), "plain_share_range": [round(low, 3), round(high, 3)]})
     return rows
 
@@ -349,7 +352,7 @@ def served_lookup_parameters(repo: Path) -> dict[str, str] | None:
 class Rounds:
     """What `run_rounds` measured, per job (in the jobs' order) and round: tok/s and CPU-time tok/s, and the
     plain run each is paired with (`baseline_*`; a plain job's own runs); the last run's speculation summary; the
-    bandwidth read before each round's plain batch-1 run."""
+    bandwidth and the load average read before each round's plain batch-1 run."""
 
     tps: list[list[float]]
     cpu: list[list[float]]
@@ -357,10 +360,11 @@ class Rounds:
     baseline_cpu: list[list[float]]
     summaries: list[dict | None]
     bandwidths: list[float]
+    loads: list[float]  # the machine's 1-minute load average, read with each bandwidth
 
 
 def run_rounds(jobs: list[tuple], repeats: int, run, plain_before_each: bool, read_bandwidth=read_bandwidth_gbs,
-               progress: tqdm | None = None) -> Rounds:
+               progress: tqdm | None = None, read_load=lambda: os.getloadavg()[0]) -> Rounds:
     """Every job (method, batch, K, prompts, proposer factory) `repeats` times, in rounds over all of them in order
     (each batch's plain job first, its speculative jobs after it); run(batch, prompts, proposer factory) -> (tok/s,
     CPU tok/s, summary) makes one run. A speculative run's baseline is its round's plain run of its batch, or, with
@@ -368,12 +372,13 @@ def run_rounds(jobs: list[tuple], repeats: int, run, plain_before_each: bool, re
     second, within which this machine's speed moves (15 rounds of K=2: quartiles 0.73-0.88 against 0.66-0.92 paired
     with the round's first plain run, docs/benchmarks.md); the SmolLM2 pairs' runs take seconds each."""
     n = len(jobs)
-    got = Rounds([[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [None] * n, [])
+    got = Rounds([[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs], [None] * n, [], [])
     plain_of = {batch: i for i, (label, batch, *_rest) in enumerate(jobs) if label == "plain"}
     for _ in range(repeats):
         for i, (label, batch, _, prompts, proposer) in enumerate(jobs):
             if label == "plain" and batch == 1:
                 got.bandwidths.append(read_bandwidth())
+                got.loads.append(read_load())
             if plain_before_each and label != "plain":
                 plain_tps, plain_cpu, _ = run(batch, prompts, lambda: None)
                 got.baseline_tps[i].append(plain_tps)
@@ -468,9 +473,12 @@ def render_markdown(result: dict) -> str:
     """The results table and the goals, as markdown."""
     bandwidths = ", ".join(f"{r['pair']} {r['bandwidth_gbs']:.1f} ({r['bandwidth_range'][0]:.1f}-{r['bandwidth_range'][1]:.1f})"
                            for r in result["rows"] if r["engine"] == "roofline")
+    loads = ", ".join(f"{r['pair']} {r['load_average']:.2f} ({r['load_range'][0]:.2f}-{r['load_range'][1]:.2f})"
+                      for r in result["rows"] if r["engine"] == "roofline" and "load_average" in r)
     lines = [f"Run {result['date']}, dtype {result['dtype']}, {result['threads']} torch thread(s), {NEW_TOKENS} new tokens, "
              f"{result['seconds']:.0f} s wall, read bandwidth GB/s (median and range of the reads before each round's "
-             f"plain run): {bandwidths}. "
+             f"plain run): {bandwidths}; the machine's 1-minute load average (median and range, read with them): "
+             f"{loads}. "
              f"Command: `{result['command']}`", "",
              "| pair | engine | method | batch | K | best tok/s | vs our plain (rounds) | CPU-time tok/s | vs plain (CPU time) | acceptance | "
              "by position | break-even (a draft of 1) | accepted/step | tokens/forward |",
