@@ -16,6 +16,7 @@ from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
 from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, dense_linear_op,
                                         intra_op_threads)
+from pipeline.reference import model as model_module
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
 from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
@@ -217,6 +218,39 @@ def test_int8_sq_fused_layers_compute_the_compiled_layers(int8_engines):  # noqa
     n = len(prompt) + 4
     torch.testing.assert_close(fused_kv.k[:, :n], compiled_kv.k[:, :n], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(fused_kv.v[:, :n], compiled_kv.v[:, :n], rtol=1e-3, atol=1e-3)
+
+
+@needs_int8_kernel
+def test_int8_sq_chains_build_the_plan_the_python_plan_builds(int8_engines):  # noqa: F811 - the imported fixture
+    """FusedInt8Layers.chains (the row attention's plan, embeddings and RoPE rows made in the op) computes what the
+    layers op computes on model._AttentionPlan.for_row_attention's plan: the same bits in every row and cache slot,
+    for sequences on scattered blocks with prefills, a chain and a decode step in one forward."""
+    model, kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    kv.k.zero_(), kv.v.zero_()  # not torch.empty's leftovers (a NaN among them is unequal to itself)
+    a, b = prompts(2)
+    tables = [[5, 2, 7], [1, 6, 3]]  # 16-token blocks, out of order
+    model([SequenceInput(a * 3, 0, tables[0]), SequenceInput(b, 0, tables[1])], kv)
+    old_kv = model.new_kv_cache(8, 16)
+    old_kv.k.copy_(kv.k), old_kv.v.copy_(kv.v)
+    seqs = [SequenceInput([5, 9, 13], 3 * len(a), tables[0], logits_rows=[0, 2]),  # a chain across two blocks
+            SequenceInput([21], len(b), tables[1]), SequenceInput(b[:7], 0, [4])]  # a decode step, a prefill
+    new = model(seqs, kv, return_hidden=True)
+    plan = model_module._AttentionPlan.for_row_attention(seqs, kv.block_size)
+    positions = torch.tensor(plan.positions)
+    layers = model.fused_layers
+    with intra_op_threads(model.decode_threads):
+        hidden = torch.ops.specdeploy.int8_sq_layers(
+            model.embed[plan.token_ids], model.rope_cos[positions].unsqueeze(1),
+            model.rope_signed_sin[positions].unsqueeze(1), layers.weights, old_kv.k, old_kv.v, plan.slots,
+            *plan.row_keys, model.final_norm, model.num_heads, model.num_kv_heads, model.eps, model.scale,
+            layers.attention, *layers.gemm)
+    assert new.hidden_states.shape == (11, model.hidden_size) and torch.equal(new.hidden_states, hidden)
+    assert torch.equal(new.logits, model._logits(hidden, plan.logits_index)) and new.logits.shape[0] == 4
+    assert torch.equal(kv.k, old_kv.k) and torch.equal(kv.v, old_kv.v)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        model([SequenceInput([3], model.rope_cos.shape[0], [0] * (model.rope_cos.shape[0] // 16 + 1))], kv)
+    with pytest.raises(ValueError, match="block table holds 16 tokens"):
+        model([SequenceInput([3] * 17, 0, [0])], kv)
 
 
 @pytest.mark.skipif(int8_grid_gemm.kernel() is not int8_grid_gemm.VNNI or not int8_grid_gemm.AVX2.cpu_supported()

@@ -141,12 +141,23 @@ class FusedInt8Layers:
         self.gemm = ("specdeploy::" + op, kernel.step, kernel.zero_point, kernel.amx_min_rows)
         self.attention = "specdeploy::" + row_attention.op_name("row_attention_into")
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
-        """As FusedDenseLayers.__call__."""
-        m = self.model
-        return torch.ops.specdeploy.int8_sq_layers(x, cos, sin, self.weights, kv.k, kv.v, plan.slots, *plan.row_keys,
-                                                   m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
-                                                   self.attention, *self.gemm)
+    def chains(self, seqs, kv) -> torch.Tensor:
+        """The decoder layers and final norm over the new tokens of `seqs` (model.SequenceInput chains, checked by the
+        caller) -> [T, hidden]. The op builds the row attention's plan (as model._AttentionPlan.for_row_attention)
+        and gathers the embeddings and RoPE rows itself: from Python those took about 0.2 ms of a SmolLM2 decode
+        step, some 15 torch calls on caches the step's weights had flushed (docs/benchmarks.md)."""
+        m, bs = self.model, kv.block_size
+        tokens, counts, cached, blocks = [], [], [], []
+        for seq in seqs:
+            n, c = len(seq.token_ids), seq.num_cached
+            tokens += seq.token_ids
+            counts.append(n)
+            cached.append(c)
+            blocks += seq.block_table[:-(-(c + n) // bs)]
+        return torch.ops.specdeploy.int8_sq_chains(tokens, counts, cached, blocks, bs, m.embed, m.rope_cos,
+                                                   m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm,
+                                                   m.num_heads, m.num_kv_heads, m.eps, m.scale, self.attention,
+                                                   *self.gemm)
 
 
 def build(model) -> FusedDenseLayers | FusedInt8Layers | None:

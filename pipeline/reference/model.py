@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import row_attention
-from pipeline.reference.fused_layers import FusedInt8Layers
+from pipeline.reference.fused_layers import FusedDenseLayers, FusedInt8Layers
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, ScreenedOutputLayer,
                                        intra_op_threads, output_layer_16bit, wide_layout)
@@ -294,17 +294,41 @@ class LlamaModel(torch.nn.Module):
                     and all(seq.parents is None for seq in seqs)
                     and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                     and row_attention.kernel() is not None)
+        if (row_keys and isinstance(self.fused_layers, FusedInt8Layers) and input_embeds is None
+                and capture_layers is None and first_layer_input is None):
+            return self._fused_chains(seqs, kv, return_hidden, small)
         plan = (_AttentionPlan.for_row_attention(seqs, kv.block_size) if row_keys
                 else _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype))
         kv.clear(plan.pad_slots)
         with intra_op_threads(self.decode_threads if small else None):
             return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
 
+    def _fused_chains(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool, small: bool) -> ForwardOutput:
+        """A forward of chains on the fused int8 layers, which build the row attention's plan and gather the
+        embeddings and RoPE rows in their op (FusedInt8Layers.chains): the same computation as `_forward` on
+        `_AttentionPlan.for_row_attention`'s plan, without its torch calls."""
+        for seq in seqs:
+            _checked_sizes(seq, kv.block_size)
+        self._check_position(max(seq.num_cached + len(seq.token_ids) for seq in seqs) - 1)
+        with intra_op_threads(self.decode_threads if small else None):
+            hidden = self.fused_layers.chains(seqs, kv)  # [T, hidden]
+            logits = self._logits(hidden, _logits_index(seqs))
+        return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
+
+    def _check_position(self, position: int) -> None:
+        """A ValueError where `position` has no RoPE row (max_position_embeddings)."""
+        if position >= self.rope_cos.shape[0]:
+            raise ValueError(f"position {position} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
+
+    def _logits(self, hidden: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """The output layer on the rows of hidden [T, hidden] that want logits (None: all) -> [R, vocab] float32."""
+        rows = hidden.index_select(0, logits_index) if logits_index is not None else hidden
+        return self._linear(rows, self.lm_head_linear).float()
+
     def _forward(self, plan: "_AttentionPlan", kv: KVCache, return_hidden: bool, input_embeds: torch.Tensor | None,
                  capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None) -> ForwardOutput:
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
-        if max(plan.positions) >= self.rope_cos.shape[0]:
-            raise ValueError(f"position {max(plan.positions)} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
+        self._check_position(max(plan.positions))
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_signed_sin.index_select(0, positions).unsqueeze(1)
@@ -312,15 +336,14 @@ class LlamaModel(torch.nn.Module):
         if capture_layers is not None and (list(capture_layers) != sorted(set(capture_layers))
                                            or not all(0 <= li < self.num_layers for li in capture_layers)):
             raise ValueError(f"capture_layers {capture_layers} must be distinct, ascending layer ids below {self.num_layers}")
-        if (self.fused_layers is not None and first_layer_input is None and capture_layers is None
+        if (isinstance(self.fused_layers, FusedDenseLayers) and first_layer_input is None and capture_layers is None
                 and plan.row_keys is not None):
             hidden, captured = self.fused_layers(x, cos, sin, kv, plan), []
         elif self.compiled_layers is not None and first_layer_input is None:
             hidden, captured = self.compiled_layers(x, cos, sin, kv, plan, capture_layers)
         else:
             hidden, captured = self._eager_layers(x, cos, sin, kv, plan, capture_layers, first_layer_input)
-        rows = hidden.index_select(0, plan.logits_index) if plan.logits_index is not None else hidden
-        logits = self._linear(rows, self.lm_head_linear).float()  # [R, vocab]
+        logits = self._logits(hidden, plan.logits_index)  # [R, vocab]
         if not return_hidden:
             return ForwardOutput(logits=logits, hidden_states=None)
         return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
@@ -420,8 +443,7 @@ class _AttentionPlan:
         number of sequences costs a few torch calls; the rows read the same slots in the same order as
         `build`'s per-sequence slot lists did.
         """
-        token_ids, positions, slots, logits_rows, blocks, starts, lengths = [], [], [], [], [], [], []
-        row = 0
+        token_ids, positions, slots, blocks, starts, lengths = [], [], [], [], [], []
         for seq in seqs:
             n, c = _checked_sizes(seq, block_size)
             if seq.parents is not None:
@@ -433,12 +455,9 @@ class _AttentionPlan:
             positions += range(c, c + n)
             slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
             lengths += range(c + 1, c + n + 1)
-            logits_rows += [row + r for r in (seq.logits_rows if seq.logits_rows is not None else [n - 1])]
-            row += n
         key_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + _block_offsets(block_size)).flatten()
         keys = (key_slots, torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
-        logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
-        return cls(token_ids, positions, torch.tensor(slots, dtype=torch.long), [], _NO_SLOTS, logits_index, keys)
+        return cls(token_ids, positions, torch.tensor(slots, dtype=torch.long), [], _NO_SLOTS, _logits_index(seqs), keys)
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool,
@@ -452,7 +471,7 @@ class _AttentionPlan:
         rows of one masked call, and one-token sequences share one call padded to the longest.
         """
         align = KEY_ALIGN if batch_invariant else 1
-        token_ids, positions, slots, groups, pad_slots, logits_rows = [], [], [], [], [], []
+        token_ids, positions, slots, groups, pad_slots = [], [], [], [], []
         decodes: list[tuple[int, torch.Tensor, int]] = []  # one-token sequences (row, slots, key count): grouped last
         row = 0
         for seq in seqs:
@@ -485,23 +504,31 @@ class _AttentionPlan:
                 else:
                     keys, _ = _slots_or_range(all_slots, c + n, block_size, 1, pad_slots)
                     groups.append((slice(row, row + n), 1, keys, visible))
-            wanted = seq.logits_rows if seq.logits_rows is not None else [n - 1]
-            logits_rows += [row + r for r in wanted]
             row += n
         buckets: dict[int, list] = {}  # batch-invariant: decodes with the same aligned key count share a call; else all
         for decode in decodes:
             buckets.setdefault(_aligned(decode[2], align) if batch_invariant else 0, []).append(decode)
         for bucket in buckets.values():
             groups += _decode_group(bucket, block_size, align, pad_slots)
-        logits_index = None if logits_rows == list(range(row)) else torch.tensor(logits_rows, dtype=torch.long)
         pad = torch.cat(pad_slots) if pad_slots else _NO_SLOTS
         # additive masks, made once for every layer (SDPA would turn a boolean mask into one per call: the same values)
         groups = [(rows, batch, keys, None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(
             ~mask, float("-inf"))) for rows, batch, keys, mask in groups]
-        return cls(token_ids, positions, torch.cat(slots), groups, pad, logits_index)
+        return cls(token_ids, positions, torch.cat(slots), groups, pad, _logits_index(seqs))
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)  # no padding slots to clear (read only)
+
+
+def _logits_index(seqs: list[SequenceInput]) -> torch.Tensor | None:
+    """[R] the rows of a forward's flat batch whose logits its sequences want (each its logits_rows, else its last new
+    token), in order; None when that is every row."""
+    rows, row = [], 0
+    for seq in seqs:
+        n = len(seq.token_ids)
+        rows += [row + r for r in (seq.logits_rows if seq.logits_rows is not None else [n - 1])]
+        row += n
+    return None if rows == list(range(row)) else torch.tensor(rows, dtype=torch.long)
 
 
 def _checked_sizes(seq: SequenceInput, block_size: int) -> tuple[int, int]:

@@ -328,6 +328,35 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
   return rows == padded_rows ? stack[0].toTensor().narrow(0, 0, rows) : stack[0].toTensor();
 }
 
+// The plan of a forward on the row attention kernel, as _AttentionPlan.for_row_attention builds it in Python: the rows'
+// tokens and positions, the cache slots their KV goes to, and each row's keys (its sequence's slots from starts[t],
+// lengths[t] of them: up to its own). `add` appends `rows` rows of one sequence from position `first`, its block
+// table `table` holding them, row r's token token_of(r).
+struct RowPlan {
+  std::vector<int64_t> tokens, positions, new_slots, key_slots, starts, lengths;
+
+  template <typename TokenOf>
+  void add(const int64_t* table, int64_t first, int64_t rows, int64_t block_size, const TokenOf& token_of) {
+    const int64_t start = key_slots.size();
+    for (int64_t j = 0; j <= (first + rows - 1) / block_size; ++j)  // the sequence's slots up to its last row's
+      for (int64_t o = 0; o < block_size; ++o) key_slots.push_back(table[j] * block_size + o);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = first + r;
+      tokens.push_back(token_of(r));
+      positions.push_back(p);
+      new_slots.push_back(table[p / block_size] * block_size + p % block_size);
+      starts.push_back(start);
+      lengths.push_back(p + 1);
+    }
+  }
+
+  void clear() {
+    for (auto* list : {&tokens, &positions, &new_slots, &key_slots, &starts, &lengths}) list->clear();
+  }
+};
+
+at::Tensor longs(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
+
 // Greedy draft chains of a dense float32 model (a draft) in one call. Request b's first forward row set is its feed
 // (feed_counts[b] tokens of the flat `feed`: the committed tokens its cache lacks, from position cached[b]); each
 // further forward feeds its previous draft token, until it has counts[b] of them. A forward is dense_layers over the
@@ -367,35 +396,26 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
   TORCH_CHECK(feed.numel() == total, "dense_greedy_chains: feed holds sum(feed_counts) tokens");
   auto drafts = at::full({B, longest}, -1, feed.options());
   int64_t* dp = drafts.data_ptr<int64_t>();
-  auto longs = [](const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); };
-  std::vector<int64_t> tokens, pos, new_slots, key_slots, starts, lengths, last_rows, row_request;
+  RowPlan plan;
+  std::vector<int64_t> last_rows, row_request;
   for (int64_t s = 0; s < longest; ++s) {
-    for (auto* list : {&tokens, &pos, &new_slots, &key_slots, &starts, &lengths, &last_rows, &row_request}) list->clear();
+    plan.clear(), last_rows.clear(), row_request.clear();
     for (int64_t b = 0, offset = 0; b < B; offset += fc[b], ++b) {
       if (n[b] <= s) continue;
-      const int64_t* table = bt + b * blocks;
       const int64_t first = s == 0 ? c0[b] : c0[b] + fc[b] - 1 + s, rows = s == 0 ? fc[b] : 1;
-      const int64_t start = key_slots.size();
-      for (int64_t j = 0; j <= (first + rows - 1) / block_size; ++j)  // the request's slots up to its last row's
-        for (int64_t o = 0; o < block_size; ++o) key_slots.push_back(table[j] * block_size + o);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = first + r;
-        tokens.push_back(s == 0 ? fed[offset + r] : dp[b * longest + s - 1]);
-        pos.push_back(p);
-        new_slots.push_back(table[p / block_size] * block_size + p % block_size);
-        starts.push_back(start);
-        lengths.push_back(p + 1);
-      }
-      last_rows.push_back(int64_t(tokens.size()) - 1);
+      plan.add(bt + b * blocks, first, rows, block_size,
+               [&](int64_t r) { return s == 0 ? fed[offset + r] : dp[b * longest + s - 1]; });
+      last_rows.push_back(int64_t(plan.tokens.size()) - 1);
       row_request.push_back(b);
     }
-    const at::Tensor at_pos = longs(pos);
-    const at::Tensor hidden = dense_layers(embed.index_select(0, longs(tokens)),
+    const at::Tensor at_pos = longs(plan.positions);
+    const at::Tensor hidden = dense_layers(embed.index_select(0, longs(plan.tokens)),
                                            rope_cos.index_select(0, at_pos).unsqueeze(1),
                                            rope_signed_sin.index_select(0, at_pos).unsqueeze(1), weights, k, v,
-                                           longs(new_slots), longs(key_slots), longs(starts), longs(lengths),
-                                           final_norm, heads, kv_heads, eps, scale, attention, split_min_bytes);  // [T, hidden]
-    const at::Tensor rows = last_rows.size() == tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
+                                           longs(plan.new_slots), longs(plan.key_slots), longs(plan.starts),
+                                           longs(plan.lengths), final_norm, heads, kv_heads, eps, scale, attention,
+                                           split_min_bytes);  // [T, hidden]
+    const at::Tensor rows = last_rows.size() == plan.tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
     const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows,
                                            packed_max_rows, split_min_bytes);  // [requests, vocab]
     const at::Tensor next = argmax_op ? argmax_op->call(logits) : logits.argmax(-1);
@@ -650,6 +670,36 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   return out;
 }
 
+// int8_sq_layers over the new tokens of a forward of chains, with its plan (`RowPlan`), the tokens' embeddings and the
+// rows' RoPE built here: sequence i brings counts[i] tokens of the flat `tokens` after cached[i] cached ones, and its
+// blocks are the next ceil((cached[i] + counts[i]) / block_size) of the flat `blocks`. Built in Python, the plan's
+// index tensors, the gathers and their calls took about 0.2 ms of a SmolLM2 decode step (docs/benchmarks.md).
+// -> the final-norm output [T, hidden]
+at::Tensor int8_sq_chains(std::vector<int64_t> tokens, std::vector<int64_t> counts, std::vector<int64_t> cached,
+                          std::vector<int64_t> blocks, int64_t block_size, at::Tensor embed, at::Tensor rope_cos,
+                          at::Tensor rope_signed_sin, std::vector<at::Tensor> weights, at::Tensor k, at::Tensor v,
+                          at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps, double scale,
+                          std::string attention, std::string gemm, double step, int64_t zero_point,
+                          int64_t amx_min_rows) {
+  TORCH_CHECK(counts.size() == cached.size() && block_size > 0, "int8_sq_chains: counts and cached, one per sequence");
+  RowPlan plan;
+  size_t t = 0, b = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const int64_t used = (cached[i] + counts[i] + block_size - 1) / block_size;
+    TORCH_CHECK(counts[i] >= 1 && cached[i] >= 0 && t + counts[i] <= tokens.size() && b + used <= blocks.size(),
+                "int8_sq_chains: sequence ", i, " needs ", counts[i], " tokens and ", used, " blocks past those given");
+    plan.add(blocks.data() + b, cached[i], counts[i], block_size, [&](int64_t r) { return tokens[t + r]; });
+    t += counts[i], b += used;
+  }
+  TORCH_CHECK(t == tokens.size() && b == blocks.size(), "int8_sq_chains: tokens or blocks left over");
+  const at::Tensor at_pos = longs(plan.positions);
+  return int8_sq_layers(embed.index_select(0, longs(plan.tokens)), rope_cos.index_select(0, at_pos).unsqueeze(1),
+                        rope_signed_sin.index_select(0, at_pos).unsqueeze(1), std::move(weights), k, v,
+                        longs(plan.new_slots), longs(plan.key_slots), longs(plan.starts), longs(plan.lengths),
+                        final_norm, heads, kv_heads, eps, scale, std::move(attention), std::move(gemm), step,
+                        zero_point, amx_min_rows);
+}
+
 // The op: `linear` for DenseLinear's one-row calls (pipeline/reference/linear.py)
 at::Tensor dense_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias, int64_t split_min_bytes) {
   return linear(x, w, bias, split_min_bytes);
@@ -671,4 +721,8 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, str gemm, float step, int zero_point, int amx_min_rows) -> Tensor",
         &int8_sq_layers);
+  m.def("int8_sq_chains(int[] tokens, int[] counts, int[] cached, int[] blocks, int block_size, Tensor embed, "
+        "Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, Tensor final_norm, "
+        "int heads, int kv_heads, float eps, float scale, str attention, str gemm, float step, int zero_point, "
+        "int amx_min_rows) -> Tensor", &int8_sq_chains);
 }
