@@ -479,7 +479,7 @@ def render_markdown(result: dict) -> str:
              f"{result['seconds']:.0f} s wall, read bandwidth GB/s (median and range of the reads before each round's "
              f"plain run): {bandwidths}; the machine's 1-minute load average (median and range, read with them): "
              f"{loads}. "
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}` (`make bench-engine` builds the engines, then runs it).", "",
              "| pair | engine | method | batch | K | best tok/s | vs our plain (rounds) | CPU-time tok/s | vs plain (CPU time) | acceptance | "
              "by position | break-even (a draft of 1) | accepted/step | tokens/forward |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -582,7 +582,8 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_pair(pair, pair_ks[pair.name], args.dtype, progress, engine, repeats[pair.name], served)
     speedups(rows)
     argv = sys.argv[1:] if argv is None else argv
-    command = "make bench-engine" + (f" ARGS=\"{' '.join(argv)}\"" if argv else "")
+    # what ran, as typed: `make bench-engine` adds its own arguments, which ARGS=... would repeat
+    command = " ".join(["python -m pipeline.apps.bench_engine", *argv])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
               "dtype": args.dtype + (f", SmolLM2 target from {args.smollm2_engine}" if args.smollm2_engine else "")
               + (f", trained target from {args.trained_engine}" if args.trained_engine else ""),
