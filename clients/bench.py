@@ -337,8 +337,8 @@ async def run_bench(cfg: BenchConfig, show_progress: bool = True) -> dict:
     finally:
         await client.close()
     add_speedups(cells)
-    return {"config": asdict(cfg), "started": started, "schedule": schedule, "load_at_end": os.getloadavg()[0],
-            "cells": cells, "recommendations": recommend(cells)}
+    return {"config": asdict(cfg), "started": started, "schedule": schedule,
+            "load_at_end": os.getloadavg()[0], "cells": cells, "recommendations": recommend(cells)}
 
 
 def pool_repeats(runs: list[tuple[list[dict], list[str], float, dict | None]], k: int) -> dict:

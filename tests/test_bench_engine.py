@@ -102,10 +102,12 @@ def test_the_served_lookup_comes_from_a_repository_whose_engine_runs_prompt_look
 
 
 def test_the_report_prints_the_load_average_read_with_each_bandwidth():
-    result = {"date": "2026-12-05 16:00 UTC", "dtype": "float32", "threads": 2, "seconds": 1.0, "command": "make bench-engine",
-              "goals": [], "rows": [{"pair": "smollm2-draft", "engine": "roofline", "method": "weights/bandwidth", "batch": 1,
-                                     "k": 0, "tok_s": 200.0, "speedup_vs_our_plain": 1.3, "bandwidth_gbs": 35.0,
-                                     "bandwidth_range": [34.0, 60.0], "load_average": 1.25, "load_range": [0.5, 2.0]}]}
+    roofline = {"pair": "smollm2-draft", "engine": "roofline", "method": "weights/bandwidth", "batch": 1, "k": 0,
+                "tok_s": 200.0, "speedup_vs_our_plain": 1.3, "bandwidth_gbs": 35.0, "bandwidth_range": [34.0, 60.0],
+                "load_average": 1.25, "load_range": [0.5, 2.0]}
+    result = {"date": "2026-12-05 16:00 UTC", "dtype": "float32", "threads": 2, "seconds": 1.0,
+              "command": "python -m pipeline.apps.bench_engine", "goals": [], "rows": [roofline]}
     header = render_markdown(result).splitlines()[0]
     assert "read bandwidth GB/s" in header and "smollm2-draft 35.0 (34.0-60.0)" in header
     assert "1-minute load average (median and range, read with them): smollm2-draft 1.25 (0.50-2.00)" in header
+    assert "Command: `python -m pipeline.apps.bench_engine` (`make bench-engine` builds the engines" in header

@@ -457,7 +457,8 @@ class _AttentionPlan:
             lengths += range(c + 1, c + n + 1)
         key_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + _block_offsets(block_size)).flatten()
         keys = (key_slots, torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
-        return cls(token_ids, positions, torch.tensor(slots, dtype=torch.long), [], _NO_SLOTS, _logits_index(seqs), keys)
+        new_slots = torch.tensor(slots, dtype=torch.long)
+        return cls(token_ids, positions, new_slots, [], _NO_SLOTS, _logits_index(seqs), keys)
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], block_size: int, batch_invariant: bool,
