@@ -18,6 +18,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "shared_items.h"
 
 namespace {
@@ -229,8 +231,9 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
 }
 
 // grid_gemm into out [M, N] by the threads of a team (csrc/fused_layers.cpp), each calling it with the same
-// arguments: they take the output channel groups from the phase `phase` of `tickets` (shared_items.h), each thread
-// rounding the input itself before its first group. A channel's result does not depend on which thread computes it.
+// arguments: they take the output channel groups from the phase `phase` of `tickets` (shared_items.h, `take_ranges`:
+// each thread its own contiguous range first), each thread rounding the input itself before its first group. A
+// channel's result does not depend on which thread computes it.
 void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                     double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, at::Tensor tickets,
                     int64_t phase) {
@@ -239,7 +242,7 @@ void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tens
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
-  items.take(G, 1, [&](int64_t g0, int64_t g1) {
+  items.take_ranges(G, 1, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t g0, int64_t g1) {
     gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
                 multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1, in.amx);
   });

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <algorithm>
 
+#include <omp.h>
+
 #include "shared_items.h"
 
 namespace {
@@ -147,7 +149,8 @@ void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at:
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
-  items.take(G, (G + 15) / 16, [&](int64_t g0, int64_t g1) {  // 8-channel groups: a chunk of them per claim
+  // 8-channel groups: a chunk of them per claim
+  items.take_ranges(G, (G + 15) / 16, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t g0, int64_t g1) {
     gemm_groups(xs.data_ptr<int16_t>(), M, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
                 multiplier.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);
   });
