@@ -126,8 +126,7 @@ def test_the_kernel_names_a_bad_input(isa, amx_min_rows):
 def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torch.Tensor,
               tickets: torch.Tensor) -> None:
     """The kernel's `_into` op as one thread of a fused forward's team calls it (csrc/fused_layers.cpp): the channel
-    groups left in phase 0 of `tickets` (csrc/shared_items.h: [next, finished, count, then what each thread's range has
-    given out]) written into out. Called outside a team, the caller is the one thread with one range."""
+    groups left in phase 0 of `tickets` (csrc/shared_items.h: [next, finished, count]) written into out."""
     args = (x_unit, kernel.packed, kernel.offset, kernel.multiplier, kernel.in_features, kernel.step, kernel.zero_point)
     if kernel.isa is VNNI:
         torch.ops.specdeploy.int8_grid_gemm_into(*args, kernel.amx_min_rows, out, tickets, 0)
@@ -138,8 +137,8 @@ def gemm_into(kernel: int8_grid_gemm.PackedInt8, x_unit: torch.Tensor, out: torc
 @KERNELS
 def test_a_team_thread_computes_the_groups_left_with_the_calls_bits(isa, amx_min_rows):
     """A caller takes the output channel groups that the team's other threads have not taken (here: the first `taken`
-    of its range, as the range's counter says), computes them with the call's bits and counts them finished; a caller
-    that finds none left writes nothing."""
+    of them, as the counter says), computes them with the call's bits and counts them finished; a caller that finds
+    none left writes nothing."""
     q, scale = random_weight(200, 96, seed=5)  # 4 groups of 64 channels on VNNI, 25 of 8 on AVX2
     kernel = packed(q, scale, isa, amx_min_rows)
     x_unit = torch.rand(7, 96, generator=torch.Generator().manual_seed(2)) * 2 - 1
@@ -148,7 +147,7 @@ def test_a_team_thread_computes_the_groups_left_with_the_calls_bits(isa, amx_min
     groups = kernel.packed.shape[0]
     for taken in range(groups + 1):
         out, tickets = torch.full_like(want, float("nan")), torch.zeros(1, 8, dtype=torch.long)
-        tickets[0, 3] = taken  # the one range's counter
+        tickets[0, 0] = taken
         gemm_into(kernel, x_unit, out, tickets)
         assert out[:, :taken * width].isnan().all()  # the groups another thread took
         assert torch.equal(out[:, taken * width:], want[:, taken * width:])

@@ -4,8 +4,8 @@
 // phase by at most the chunk it holds: the others take the rest. Which thread computes an item never changes a bit.
 //
 // A phase's counters are one 64-byte row of a team's int64 ticket tensor [phases, 8]: [0] the next item to take,
-// [1] the items finished, [2] the phase's item count (every caller writes the same), [3..7] the items taken from each
-// thread's range (`take_ranges`). cpp_ops inlines this file into
+// [1] the items finished, [2] the phase's item count (every caller writes the same), [3..6] the items taken from the other
+// threads' ranges (`take_ranges`; range 0 counts in [0]). cpp_ops inlines this file into
 // the sources that include it.
 #pragma once
 
@@ -32,23 +32,18 @@ struct SharedItems {
   }
 
   // f(begin, end) for chunks of up to `chunk` of the phase's `count` items until none is left, each counted as
-  // finished after f returns.
+  // finished after f returns: `take_ranges` with one range, the whole phase's.
   template <typename F>
   void take(int64_t count, int64_t chunk, const F& f) const {
-    __atomic_store_n(row + COUNT, count, __ATOMIC_RELAXED);
-    for (int64_t begin = __atomic_fetch_add(row + NEXT, chunk, __ATOMIC_RELAXED); begin < count;
-         begin = __atomic_fetch_add(row + NEXT, chunk, __ATOMIC_RELAXED)) {
-      const int64_t end = begin + chunk < count ? begin + chunk : count;
-      f(begin, end);
-      __atomic_fetch_add(row + FINISHED, end - begin, __ATOMIC_RELEASE);
-    }
+    take_ranges(count, chunk, 0, 1, f);
   }
 
   // As `take`, for a GEMM's channel groups: thread `thread` of the team's `threads` (at most RANGES ranges) first takes
   // the items of its own contiguous range of the `count`, in order, then what is left of the others' ranges, each
-  // range's items claimed from its own counter (row[3 + range]). Each core then streams one long run of a weight,
-  // where `take` interleaved the threads' groups: SmolLM2's one-row forward took 0.88x the time in the minutes when
-  // this host lets two cores read twice what one does, 0.96x in the others (docs/benchmarks.md).
+  // range's items claimed from its own counter (range 0's in row[NEXT], range r's in row[2 + r]). Each core then
+  // streams one long run of a weight, where one shared counter interleaved the threads' groups: SmolLM2's one-row
+  // forward took 0.88x the time in the minutes when this host lets two cores read twice what one does, 0.96x in the
+  // others (docs/benchmarks.md).
   static constexpr int64_t RANGES = 5;
   template <typename F>
   void take_ranges(int64_t count, int64_t chunk, int64_t thread, int64_t threads, const F& f) const {
@@ -56,14 +51,15 @@ struct SharedItems {
     const int64_t ranges = threads < 1 ? 1 : (threads < RANGES ? threads : RANGES);
     for (int64_t k = 0; k < ranges; ++k) {
       const int64_t r = (thread + k) % ranges, first = count * r / ranges, last = count * (r + 1) / ranges;
-      for (int64_t begin = first + __atomic_fetch_add(row + 3 + r, chunk, __ATOMIC_RELAXED); begin < last;
-           begin = first + __atomic_fetch_add(row + 3 + r, chunk, __ATOMIC_RELAXED)) {
+      int64_t* taken = row + (r == 0 ? NEXT : 2 + r);
+      for (int64_t begin = first + __atomic_fetch_add(taken, chunk, __ATOMIC_RELAXED); begin < last;
+           begin = first + __atomic_fetch_add(taken, chunk, __ATOMIC_RELAXED)) {
         const int64_t end = begin + chunk < last ? begin + chunk : last;
         f(begin, end);
         __atomic_fetch_add(row + FINISHED, end - begin, __ATOMIC_RELEASE);
       }
     }
-    __atomic_store_n(row + NEXT, count, __ATOMIC_RELAXED);  // every item taken: `exhausted` for a late caller
+    if (ranges > 1) __atomic_store_n(row + NEXT, count, __ATOMIC_RELAXED);  // every item taken: `exhausted`
   }
 
   // Whether any item is left to take (a caller that finds none can skip its preparation).
