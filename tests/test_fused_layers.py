@@ -299,6 +299,22 @@ def test_a_failure_on_a_forwards_team_is_raised_and_the_next_forward_runs(int8_e
 
 
 @needs_int8_kernel
+def test_a_prompt_outside_exact_mode_runs_on_the_fused_int8_layers(int8_engines):  # noqa: F811
+    """Outside exact mode a prompt (more than DECODE_ROWS tokens) runs on the fused layers too, on torch's threads
+    (a prefill there 0.70-0.90x the time of the compiled regions with SDPA): the bits of exact mode's prefill."""
+    exact, exact_kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    loose, loose_kv = int8_sq_model(int8_engines["int8_sq"], fused=True)
+    loose.batch_invariant = False
+    prompt = prompts(1)[0] * 3
+    assert len(prompt) > model_module.DECODE_ROWS
+    seq = SequenceInput(prompt, 0, [0, 1, 2, 3], logits_rows=list(range(len(prompt))))
+    with intra_op_threads(2):
+        got = loose([seq], loose_kv).logits
+    assert torch.equal(got, exact([seq], exact_kv).logits)
+    assert torch.equal(loose_kv.k[:, :len(prompt)], exact_kv.k[:, :len(prompt)])
+
+
+@needs_int8_kernel
 def test_int8_sq_fused_rows_do_not_depend_on_the_batch(int8_engines):  # noqa: F811
     model, _ = int8_sq_model(int8_engines["int8_sq"], fused=True)
     assert_rows_do_not_depend_on_the_batch(model)
@@ -310,14 +326,13 @@ def test_the_engine_runs_an_int8_sq_target_on_fused_layers_beside_its_compiled_o
         return LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128, max_input_len=64,
                                          **overrides).model
 
-    model = engine_model(compiled_layers=True)  # outside exact mode: prompts on the compiled regions and SDPA
-    assert isinstance(model.fused_layers, fused_layers.FusedInt8Layers) and model.compiled_layers is not None
+    # every forward on the fused layers, prompts too, in exact mode (as served) and outside it: no regions compiled
+    # (seconds of a server's start); the decode thread count is a matter of speed, as with the regions
+    for exact in (True, False):
+        model = engine_model(compiled_layers=True, batch_invariant=exact)
+        assert isinstance(model.fused_layers, fused_layers.FusedInt8Layers) and model.compiled_layers is None
+        assert model.thread_count_invariant(model.new_kv_cache(2, 32))
     assert engine_model(compiled_layers=False).fused_layers is None  # eager layers, as the suite runs them
-    # exact mode (as served): every forward on the fused layers, no regions compiled (seconds of a server's start);
-    # its decode thread count is a matter of speed, as with the regions
-    model = engine_model(compiled_layers=True, batch_invariant=True)
-    assert isinstance(model.fused_layers, fused_layers.FusedInt8Layers) and model.compiled_layers is None
-    assert model.thread_count_invariant(model.new_kv_cache(2, 32))
     # ... but a forward over an INT8 KV cache is off the row attention kernel: the regions run it
     assert engine_model(compiled_layers=True, batch_invariant=True, kv_cache_quant_algo="INT8").compiled_layers is not None
     monkeypatch.setenv(fused_layers.ENV, "0")

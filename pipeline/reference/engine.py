@@ -88,7 +88,8 @@ class EngineConfig(EngineLimits):
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: forwards on the row attention kernel as one C++ call (fused_layers.py), the others with
     # the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md "Decode step"; not built where
-    # every forward is fused: exact mode without an INT8 KV cache or a hidden-state proposer); others ignore it.
+    # every forward is fused: an INT8 KV cache or a hidden-state proposer keeps some off the fused int8 layers);
+    # others ignore it.
     # On unless REFERENCE_COMPILED_LAYERS=0 (the test suite's default).
     compiled_layers: bool = field(default_factory=lambda: os.environ.get(compiled.ENV, "1") != "0")
 
@@ -186,10 +187,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
 
     def _fused_layers_run_every_forward(self) -> bool:
-        """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: exact
-        mode (every forward on the row attention kernel, model.forward) over an unquantized KV cache, with no proposer
-        that reads hidden states (Medusa and EAGLE verify trees and capture layers, off that kernel)."""
-        return (self.model.fused_layers is not None and self.config.batch_invariant
+        """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
+        fused int8 layers, or exact mode (every forward on the row attention kernel, model.forward), over an
+        unquantized KV cache, with no proposer that reads hidden states (Medusa and EAGLE verify trees and capture
+        layers, off that kernel)."""
+        fused = self.model.fused_layers
+        return (fused is not None and (self.config.batch_invariant or isinstance(fused, fused_layers.FusedInt8Layers))
                 and self.config.kv_cache_quant_algo is None
                 and not (self.proposer is not None and self.proposer.needs_hidden_states))
 

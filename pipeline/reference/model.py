@@ -227,13 +227,12 @@ class LlamaModel(torch.nn.Module):
 
     def thread_count_invariant(self, kv: KVCache) -> bool:
         """Whether a small forward over `kv` gives the same bits on any thread count: it runs on the project's
-        kernels alone (compiled regions, fixed at one thread, around the int8 kernel, or, in exact mode, where every
-        forward runs on them, the fused int8 layers; row attention; an output layer on the fp16 kernel or on its own
-        fixed threads), each of which computes an output element on one thread in a fixed order. Then
-        `decode_threads` is a matter of speed only (decode_threads.choose)."""
+        kernels alone (compiled regions, fixed at one thread, around the int8 kernel, or the fused int8 layers, which
+        take every forward of chains; row attention; an output layer on the fp16 kernel or on its own fixed threads),
+        each of which computes an output element on one thread in a fixed order. Then `decode_threads` is a matter of
+        speed only (decode_threads.choose)."""
         lm_head = self.lm_head_linear
-        layers_on_kernels = (self.compiled_layers is not None
-                             or self.batch_invariant and isinstance(self.fused_layers, FusedInt8Layers))
+        layers_on_kernels = self.compiled_layers is not None or isinstance(self.fused_layers, FusedInt8Layers)
         return (layers_on_kernels and self.dtype == torch.float32 and not kv.quantized
                 and row_attention.kernel() is not None
                 and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
@@ -286,17 +285,18 @@ class LlamaModel(torch.nn.Module):
         """
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or sum(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
-        # the row attention kernel: exact mode's attention, and otherwise forwards of decode and verify rows (at most
-        # DECODE_ROWS new tokens per sequence, any batch: its one call per layer beats SDPA's per-group calls there,
-        # 8 verifies of 5 rows 3x); a long prompt is up to 3x faster on SDPA's flash kernel (docs/engine.md)
-        rows_only = self.batch_invariant or max(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
-        row_keys = (rows_only and self.dtype == torch.float32 and not kv.quantized
-                    and all(seq.parents is None for seq in seqs)
-                    and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
-                    and row_attention.kernel() is not None)
-        if (row_keys and isinstance(self.fused_layers, FusedInt8Layers) and input_embeds is None
+        row_kernel = (self.dtype == torch.float32 and not kv.quantized and all(seq.parents is None for seq in seqs)
+                      and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
+                      and row_attention.kernel() is not None)
+        # the fused int8 layers take every forward of chains, prompts too: a prefill 0.70-0.90x the time of the
+        # compiled regions with SDPA (32-1024 tokens, docs/benchmarks.md)
+        if (row_kernel and isinstance(self.fused_layers, FusedInt8Layers) and input_embeds is None
                 and capture_layers is None and first_layer_input is None):
             return self._fused_chains(seqs, kv, return_hidden, small)
+        # elsewhere the row attention kernel is exact mode's attention, and otherwise that of decode and verify rows
+        # (at most DECODE_ROWS new tokens per sequence, any batch: its one call per layer beats SDPA's per-group calls
+        # there, 8 verifies of 5 rows 3x); a long prompt's layers run as compiled regions with SDPA
+        row_keys = row_kernel and (self.batch_invariant or max(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS)
         plan = (_AttentionPlan.for_row_attention(seqs, kv.block_size) if row_keys
                 else _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype))
         kv.clear(plan.pad_slots)
