@@ -249,3 +249,4 @@ def test_bench_kernels_times_each_output_layer(int8_engines, derived_pair, capsy
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {engine} | eager |")]
     assert [r[2] for r in rows] == outs + outs  # the forwards table, then the profiler's, one row per output layer
     assert all(r[3] == "1" and r[-1].endswith("% |") for r in rows[:len(outs)])  # 1 thread; a roofline share
+    assert all(r[-3].endswith(" ms") and r[-2].endswith(" ms") for r in rows[:len(outs)])  # the prompt, both modes

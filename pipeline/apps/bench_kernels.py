@@ -10,7 +10,8 @@ depends on them. For each kernel: whether it is batch-invariant (rows of a 6-row
 rows alone, bit for bit), which decides whether speculative verification can take all its rows in one
 call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
-context, and one decode step of 8 sequences in flight, through the reference model of each engine,
+context, one decode step of 8 sequences in flight, and the 128-token prompt itself, through the reference model of
+each engine,
 batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
 sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step, and the plain decode
 step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
@@ -217,7 +218,8 @@ def bench_kernels(names: list[str], reps: int, layers: int) -> None:
 KERNEL_OPS = ("quantized::linear_with_input_q_dq_qweight_dq_output_fp32", "quantized::linear_dynamic",
               "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm", "aten::linear",
               "mkldnn::_linear_pointwise", "specdeploy::int8_grid_gemm", "specdeploy::int8_grid_gemm_avx2",
-              "specdeploy::fp16_weight_gemm")
+              "specdeploy::int8_grid_gemm_into", "specdeploy::int8_grid_gemm_avx2_into", "specdeploy::fp16_weight_gemm",
+              "specdeploy::bf16_weight_gemm")
 
 
 def _is_op(key: str) -> bool:
@@ -268,8 +270,8 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
                 batch: int = 8) -> None:
     """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
-    Times one decode step, a verify of `new` tokens, and one decode step of `batch` sequences (contexts
-    spread around `context`: 8 in flight), each batch-invariant (every token its own SDPA batch element
+    Times one decode step, a verify of `new` tokens, one decode step of `batch` sequences (contexts
+    spread around `context`: 8 in flight) and the first sequence's prompt (`context` tokens), each batch-invariant (every token its own SDPA batch element
     over aligned keys, as serving and the exactness tests run) and batched (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
     bandwidth measured in the same repeats). Layer modes: "eager" (op by op), "compiled"
@@ -313,11 +315,14 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
         caches[d] = kv
 
     def seqs(d, n, b):
-        """b sequences bringing n new tokens each (logits for every new token)."""
+        """b sequences bringing n new tokens each (logits for every new token); n = "prompt": the first sequence's
+        `context` tokens again (its keys and values written again)."""
+        if n == "prompt":
+            return [SequenceInput(ids[:context], 0, list(range(per_seq)))]
         return [SequenceInput(ids[lengths[j]:lengths[j] + n], lengths[j], list(range(j * per_seq, (j + 1) * per_seq)),
                               logits_rows=list(range(n))) for j in range(b)]
 
-    cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch)) for invariant in (True, False)]
+    cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch), ("prompt", 1)) for invariant in (True, False)]
     times = {(v, t, case): [] for v in variants for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
@@ -339,17 +344,20 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
           f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
           "batched = one masked SDPA per sequence")
     print(f"| engine | layers | output layer | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
-          f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | {context}-token prompt exact | "
+          f"{context}-token prompt batched | roofline share at 1 token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (d, mode, out), (_layers, head) in variants.items():
         model = models[d]
         model.lm_head_linear = head
         for t in threads:
-            one, one_b, many, many_b, wide, wide_b = (statistics.median(times[((d, mode, out), t, case)]) for case in cases)
+            one, one_b, many, many_b, wide, wide_b, prompt, prompt_b = (statistics.median(times[((d, mode, out), t, case)])
+                                                                        for case in cases)
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {mode} | {out} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
-                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
+                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {prompt * 1000:.1f} ms | "
+                  f"{prompt_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
     first = {}  # engine -> its first variant, the base of the per-repeat ratios
     for key in variants:
         first.setdefault(key[0], key)
