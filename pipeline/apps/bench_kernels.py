@@ -271,8 +271,9 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, one decode step of `batch` sequences (contexts
-    spread around `context`: 8 in flight) and the first sequence's prompt (`context` tokens), each batch-invariant (every token its own SDPA batch element
-    over aligned keys, as serving and the exactness tests run) and batched (one masked SDPA per sequence);
+    spread around `context`: 8 in flight) and the first sequence's prompt (`context` tokens), each batch-invariant
+    (every token its own SDPA batch element over aligned keys, as serving and the exactness tests run) and batched
+    (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
     bandwidth measured in the same repeats). Layer modes: "eager" (op by op), "compiled"
     (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only) and "fused"
@@ -344,15 +345,15 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
           f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
           "batched = one masked SDPA per sequence")
     print(f"| engine | layers | output layer | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
-          f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | {context}-token prompt exact | "
-          f"{context}-token prompt batched | roofline share at 1 token |")
+          f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | "
+          f"{context}-token prompt exact | {context}-token prompt batched | roofline share at 1 token |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (d, mode, out), (_layers, head) in variants.items():
         model = models[d]
         model.lm_head_linear = head
         for t in threads:
-            one, one_b, many, many_b, wide, wide_b, prompt, prompt_b = (statistics.median(times[((d, mode, out), t, case)])
-                                                                        for case in cases)
+            medians = (statistics.median(times[((d, mode, out), t, case)]) for case in cases)
+            one, one_b, many, many_b, wide, wide_b, prompt, prompt_b = medians
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {mode} | {out} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
