@@ -469,12 +469,16 @@ def goals(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
     return out
 
 
+def _per_pair(rows: list[dict], median: str, spread: str, fmt: str) -> str:
+    """"pair median (low-high)" of each pair's roofline row that holds `median` (its range in `spread`), joined."""
+    return ", ".join(f"{r['pair']} {r[median]:{fmt}} ({r[spread][0]:{fmt}}-{r[spread][1]:{fmt}})"
+                     for r in rows if r["engine"] == "roofline" and median in r)
+
+
 def render_markdown(result: dict) -> str:
     """The results table and the goals, as markdown."""
-    bandwidths = ", ".join(f"{r['pair']} {r['bandwidth_gbs']:.1f} ({r['bandwidth_range'][0]:.1f}-{r['bandwidth_range'][1]:.1f})"
-                           for r in result["rows"] if r["engine"] == "roofline")
-    loads = ", ".join(f"{r['pair']} {r['load_average']:.2f} ({r['load_range'][0]:.2f}-{r['load_range'][1]:.2f})"
-                      for r in result["rows"] if r["engine"] == "roofline" and "load_average" in r)
+    bandwidths = _per_pair(result["rows"], "bandwidth_gbs", "bandwidth_range", ".1f")
+    loads = _per_pair(result["rows"], "load_average", "load_range", ".2f")
     lines = [f"Run {result['date']}, dtype {result['dtype']}, {result['threads']} torch thread(s), {NEW_TOKENS} new tokens, "
              f"{result['seconds']:.0f} s wall, read bandwidth GB/s (median and range of the reads before each round's "
              f"plain run): {bandwidths}; the machine's 1-minute load average (median and range, read with them): "
