@@ -48,10 +48,11 @@ def test_inputs_it_cannot_take_are_refused_by_name():
         layer(torch.randn(2, 30).bfloat16())
 
 
-@pytest.mark.parametrize("vocab, in_features, near_ties", [(3000, 64, True), (4100, 576, False)])
+@pytest.mark.parametrize("vocab, in_features, near_ties", [(3000, 64, True), (4100, 576, False), (2100, 72, True)])
 def test_the_screening_op_replaces_what_the_python_screening_replaces(vocab, in_features, near_ties, monkeypatch):
     """ScreenedOutputLayer screens on `screen_logits` where this kernel runs, else in torch ops: the same logits,
-    bit for bit (the same candidates, exact logits summed in float64 and rounded once)."""
+    bit for bit (the same candidates, exact logits summed in float64 and rounded once; 72 inputs: the op's exact sums
+    take 16 at a time, then the rest one by one)."""
     from pipeline.reference.linear import ScreenedOutputLayer, screen_gemm
 
     g = torch.Generator().manual_seed(vocab)

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -71,12 +72,64 @@ inline float bf16_round(float x) {
   return out;
 }
 
-// ScreenedOutputLayer's screening of approximate logits [R, V] (float32, in place) of rows x [R, H] (float32), the
-// exact weights weight16 [V, H] (fp16): per row, the bound on |approx - exact| (ScreenedOutputLayer._bound, from the
+// fp32(x . w summed in float64): xd [H] the row in float64, w [H] the token's fp16 weights. Each product is exact in
+// float64 (11 x 24 significant bits), so only the sum's order moves its last float64 bits, which the final rounding
+// to float32 hides (tested against torch's sum, a different order): 8 float64 lanes per fused multiply-add, two
+// chains, then the lanes' sum. One scalar loop through at::Half's conversion took about 1 us a candidate; SmolLM2's rows have 5-100.
+inline float exact_logit(const double* xd, const at::Half* w, int64_t H) {
+  __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16) {
+    const __m512 wf = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
+    acc[0] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(wf)), _mm512_loadu_pd(xd + i), acc[0]);
+    acc[1] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wf), 1))),
+                             _mm512_loadu_pd(xd + i + 8), acc[1]);
+  }
+  double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1]));
+  for (; i < H; ++i) sum += double(float(w[i])) * xd[i];
+  return float(sum);
+}
+
+// ScreenedOutputLayer's screening of one row's approximate logits lr [V] (float32, in place), its input xr [H]
+// (float32), the exact weights w [V, H] (fp16): the bound on |approx - exact| (ScreenedOutputLayer._bound, from the
 // norms of x and of its bf16 rounding error, the weights' norms, the fp32 sums' error and the largest |approx|), then
-// every token whose approx lies within 2 * bound of the row's largest gets its exact logit: x . W16_c summed in
-// float64, rounded once. One pass over a row's logits for its extremes, one for the candidates (AVX-512 compares),
-// instead of about 15 torch ops (0.5-0.6 ms of a SmolLM2 step on Zen4).
+// every token whose approx lies within 2 * bound of the row's largest gets its exact logit (`exact_logit`). One pass
+// over the logits for their extremes, one for the candidates (AVX-512 compares). xd: scratch [H].
+void screen_row(const float* xr, float* lr, const at::Half* w, int64_t H, int64_t V, double max_norm,
+                double max_rounding_norm, double gamma, double flushed, double output_rounding, double* xd) {
+  double squares = 0, rounding_squares = 0;
+  for (int64_t i = 0; i < H; ++i) {
+    const double d = double(xr[i]) - double(bf16_round(xr[i]));
+    squares += double(xr[i]) * xr[i];
+    rounding_squares += d * d;
+    xd[i] = xr[i];
+  }
+  const double norm = std::sqrt(squares), rounding_norm = std::sqrt(rounding_squares);
+  __m512 hi = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(INFINITY);
+  for (int64_t c = 0; c < V; c += 16) {
+    const __mmask16 m = V - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - c)) - 1);
+    hi = _mm512_mask_max_ps(hi, m, hi, _mm512_maskz_loadu_ps(m, lr + c));
+    lo = _mm512_mask_min_ps(lo, m, lo, _mm512_maskz_loadu_ps(m, lr + c));
+  }
+  const float top = _mm512_reduce_max_ps(hi), magnitude = std::max(std::fabs(top), std::fabs(_mm512_reduce_min_ps(lo)));
+  const double weights = norm * max_rounding_norm + rounding_norm * max_norm
+                         + gamma * (norm + rounding_norm) * max_norm;
+  const double bound = weights * 1.01 + magnitude * (output_rounding * 1.01 + std::ldexp(1.0, -22)) + flushed;
+  const __m512 t = _mm512_set1_ps(float(double(top) - 2 * bound));
+  for (int64_t c0 = 0; c0 < V; c0 += 16) {
+    const __mmask16 m = V - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - c0)) - 1);
+    __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, lr + c0), t, _CMP_GE_OQ);
+    for (; hit; hit &= hit - 1) {
+      const int64_t c = c0 + __builtin_ctz(hit);
+      lr[c] = exact_logit(xd, w + c * H, H);
+    }
+  }
+}
+
+// `screen_row` of every row of approximate logits [R, V] (float32, in place) of rows x [R, H] (float32) with the exact
+// weights weight16 [V, H] (fp16), the rows over torch's threads (a row's screening reads and writes its own row
+// only). It replaces about 15 torch ops (0.5-0.6 ms of a SmolLM2 step on Zen4); after the vectorized exact logits
+// and the threads, a row took 46 us instead of 94 alone, five 0.11-0.13 ms instead of 0.33 (docs/benchmarks.md).
 void screen_logits(at::Tensor x, at::Tensor logits, at::Tensor weight16, double max_norm, double max_rounding_norm,
                    double gamma, double flushed, double output_rounding) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "screen_logits: x must be contiguous float32 [rows, in]");
@@ -85,40 +138,13 @@ void screen_logits(at::Tensor x, at::Tensor logits, at::Tensor weight16, double 
   TORCH_CHECK(weight16.scalar_type() == at::kHalf && weight16.dim() == 2 && weight16.is_contiguous()
               && weight16.size(0) == logits.size(1) && weight16.size(1) == x.size(1),
               "screen_logits: weight16 must be contiguous float16 [vocab, in]");
-  const int64_t R = x.size(0), H = x.size(1), V = logits.size(1);
-  const at::Half* w = weight16.data_ptr<at::Half>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x.data_ptr<float>() + r * H;
-    float* lr = logits.data_ptr<float>() + r * V;
-    double squares = 0, rounding_squares = 0;
-    for (int64_t i = 0; i < H; ++i) {
-      const double d = double(xr[i]) - double(bf16_round(xr[i]));
-      squares += double(xr[i]) * xr[i];
-      rounding_squares += d * d;
-    }
-    const double norm = std::sqrt(squares), rounding_norm = std::sqrt(rounding_squares);
-    __m512 hi = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(INFINITY);
-    for (int64_t c = 0; c < V; c += 16) {
-      const __mmask16 m = V - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - c)) - 1);
-      hi = _mm512_mask_max_ps(hi, m, hi, _mm512_maskz_loadu_ps(m, lr + c));
-      lo = _mm512_mask_min_ps(lo, m, lo, _mm512_maskz_loadu_ps(m, lr + c));
-    }
-    const float top = _mm512_reduce_max_ps(hi), magnitude = std::max(std::fabs(top), std::fabs(_mm512_reduce_min_ps(lo)));
-    const double weights = norm * max_rounding_norm + rounding_norm * max_norm + gamma * (norm + rounding_norm) * max_norm;
-    const double bound = weights * 1.01 + magnitude * (output_rounding * 1.01 + std::ldexp(1.0, -22)) + flushed;
-    const float threshold = float(double(top) - 2 * bound);
-    const __m512 t = _mm512_set1_ps(threshold);
-    for (int64_t c0 = 0; c0 < V; c0 += 16) {
-      const __mmask16 m = V - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - c0)) - 1);
-      __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, lr + c0), t, _CMP_GE_OQ);
-      for (; hit; hit &= hit - 1) {
-        const int64_t c = c0 + __builtin_ctz(hit);
-        double sum = 0;
-        for (int64_t i = 0; i < H; ++i) sum += double(float(w[c * H + i])) * double(xr[i]);
-        lr[c] = float(sum);
-      }
-    }
-  }
+  const int64_t H = x.size(1), V = logits.size(1);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t r0, int64_t r1) {
+    std::vector<double> xd(H);
+    for (int64_t r = r0; r < r1; ++r)
+      screen_row(x.data_ptr<float>() + r * H, logits.data_ptr<float>() + r * V, weight16.data_ptr<at::Half>(), H, V,
+                 max_norm, max_rounding_norm, gamma, flushed, output_rounding, xd.data());
+  });
 }
 
 // xb bf16 [M, K] -> float32 [M, N] = xb @ W^T, packed = the bf16 weight [ceil(N / 64), ceil(K / 2), 64, 2]
