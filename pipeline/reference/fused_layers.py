@@ -37,7 +37,7 @@ from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, BFloat1
                                         intra_op_threads)
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
-BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3",), lambda: True)
+BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3", "-ffp-contract=off"), lambda: True)
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,17 @@
 
 namespace {
 
+// The row-wise work (norms, RoPE, SiLU, the int8 GEMMs' row scaling) in AVX-512, AVX2 and baseline x86-64 clones,
+// picked at load by the CPU (GCC's target_clones): the library itself builds for any x86-64 (SSE2), where these
+// loops ran 4 lanes wide and the rows' max |x| one element at a time. The build's -ffp-contract=off keeps every clone's
+// arithmetic per element what the source says (no fused multiply-adds), and the max is exact in any order, so every
+// clone gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ROW_CLONES
+#endif
+
 constexpr int64_t TENSORS_PER_LAYER = 7;  // input norm, post norm, qkv weight, qkv bias (empty: none), o, gate_up, down
 
 // f(t) for every row t < T, the rows split over torch's threads (a row's arithmetic and bits do not depend on the
@@ -124,7 +135,7 @@ inline float inv_rms(const float* r, int64_t n, double eps) {
 }
 
 // One row r [n] -> o = r / sqrt(mean(r^2) + eps) * w (HF's order: normalise, then scale)
-inline void norm_row(const float* r, int64_t n, const float* w, double eps, float* o) {
+ROW_CLONES void norm_row(const float* r, int64_t n, const float* w, double eps, float* o) {
   const float inv = inv_rms(r, n, eps);
   for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (r[i] * inv);
 }
@@ -142,8 +153,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // One row of qkv [(H + 2 KVH) * D] -> RoPE'd q [H, D], k [KVH, D] and v [KVH, D]; c, s [D] the row's cos and sin (sin
 // signed: rotate_half(x) * sin == roll(x, D / 2) * signed sin)
-void rope_row(const float* row, const float* c, const float* s, int64_t H, int64_t KVH, int64_t D, float* q, float* k,
-              float* v) {
+ROW_CLONES void rope_row(const float* row, const float* c, const float* s, int64_t H, int64_t KVH, int64_t D, float* q,
+                         float* k, float* v) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < H + KVH; ++h) {
     const float* x = row + h * D;
@@ -192,7 +203,7 @@ inline float exp2_taylor(float t) {
 // [2 * inter] (unscaled) -> the down GEMM's input [inter]. Two loops that the compiler vectorizes (a clamp inside
 // the second kept it scalar): -g log2(e), clamped, into o; then the rest. std::exp per element took 9 us of a
 // 1536-wide row.
-void silu_mul_row(const float* y, int64_t inter, float s, float* o) {
+ROW_CLONES void silu_mul_row(const float* y, int64_t inter, float s, float* o) {
   for (int64_t i = 0; i < inter; ++i) {
     const float t = -(y[i] * s) * 1.44269504088896341f;
     o[i] = t < -125.f ? -125.f : (t > 125.f ? 125.f : t);
@@ -493,11 +504,18 @@ class WeightStream {
   std::atomic<int64_t> cursor_{0};
 };
 
+// o[i] = y[i] * s + b[i] for i < n (b may be o: a residual added in place): an int8 GEMM's output row rescaled
+ROW_CLONES void rescale_add_row(const float* y, float s, const float* b, int64_t n, float* o) {
+  for (int64_t i = 0; i < n; ++i) o[i] = y[i] * s + b[i];
+}
+
 // A row r [n] -> o = a / s and s = max |a| (at least 1e-30), a = r * inv_smoother: the int8 GEMM's input row
 // (`scale_rows`). With norm: a = rms_norm(r) * inv_smoother.
-void scale_row(const float* r, int64_t n, const float* norm, double eps, const float* inv_smoother, float* o, float* s) {
+ROW_CLONES void scale_row(const float* r, int64_t n, const float* norm, double eps, const float* inv_smoother, float* o,
+                          float* s) {
   const float inv = norm != nullptr ? inv_rms(r, n, eps) : 1.f;
   float top = 0.f;
+#pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) {
     o[i] = (norm != nullptr ? norm[i] * (r[i] * inv) : r[i]) * inv_smoother[i];
     top = std::max(top, std::fabs(o[i]));
@@ -630,7 +648,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       rows([&](int64_t t) {
         const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
         float* row = qkv_p + t * qkv_width;
-        for (int64_t i = 0; i < qkv_width; ++i) row[i] = y[i] * sp[t] + bias[i];
+        rescale_add_row(y, sp[t], bias, qkv_width, row);
         rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row,
                  v_l + ns[t] * kv_row);
       });
@@ -641,7 +659,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       gemm(in_heads, y_o);
       rows([&](int64_t t) {
         const float* y = y_o.data_ptr<float>() + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) xp[t * hidden + i] += y[i] * sp[t];
+        rescale_add_row(y, sp[t], xp + t * hidden, hidden, xp + t * hidden);
         scale_row(xp + t * hidden, hidden, post_norm, eps, gate_up_in, up + t * hidden, sp + t);
       });
       // SiLU(gate) * up, down, residual, the next layer's input norm (after the last layer the final norm)
@@ -656,7 +674,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       rows([&](int64_t t) {
         const float* y = y_down.data_ptr<float>() + t * hidden;
         float* r = xp + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) r[i] += y[i] * sp[t];
+        rescale_add_row(y, sp[t], r, hidden, r);
         if (next != nullptr) {
           scale_row(r, hidden, next[0].data_ptr<float>(), eps, next[2].data_ptr<float>(), up + t * hidden, sp + t);
         } else {
