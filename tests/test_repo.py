@@ -347,8 +347,8 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
 
 def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
     """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
-    batch size up to max_batch_for_speculation, in drafts of K and of one token, and the engine's policy reads both
-    curves from its config."""
+    batch size up to max_batch_for_speculation, in drafts of K and of one token, through the engine's steps (as it
+    drafts there), and the engine's policy reads both curves from its config."""
     from pipeline.repo.assemble import measured_draft_token_costs
     from pipeline.serving.reference_adapter import lookup_proposer
     from pipeline.spec import NgramSpec
@@ -362,6 +362,8 @@ def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_
     costs = measured_draft_token_costs(plan, target, None)
     for curve in costs:
         assert [b for b, _ in curve] == [1, 2, 4] and all(c >= 0 for _, c in curve)
+    memo = json.loads((spec.out_dir / "draft_token_cost.json").read_text())
+    assert [k for k in memo if " ngram K=3,1 batches=1,2,4 " in k and k.endswith(" through engine steps")]
     engine = {m.name: m for m in repo_models(plan, target, None, costs)}["tensorrt_llm"]
     assert engine.parameters["draft_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_k)
     assert engine.parameters["one_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_one)

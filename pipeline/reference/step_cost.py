@@ -20,6 +20,7 @@ to a half of what such a draft token costs in the engine, and the switch-off pro
 from __future__ import annotations
 
 import hashlib
+import random
 import statistics
 import time
 from pathlib import Path
@@ -29,12 +30,14 @@ import torch
 
 from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference.model import LlamaModel, SequenceInput
-from pipeline.reference.proposers import Proposer
+from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 
 # Engine steps before in_engine_draft_token_cost times any (the prompts' prefill, then warm-up)
 WARMUP_STEPS = 3
 # Steps of one engine in a row in each of in_engine_draft_token_cost's rounds; the first of them is not timed
 STEPS_PER_RUN = 4
+# Cached tokens of each sequence when engine_draft_token_costs times the engines (the traffic's are unknown then)
+COST_CONTEXT = 256
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
 
@@ -51,7 +54,7 @@ def engine_code_digest(root: Path = Path(__file__).parent) -> str:
 
 
 def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int, ...], batch: int = 1,
-                     context: int = 256, repeats: int = 20) -> tuple[float, ...]:
+                     context: int = COST_CONTEXT, repeats: int = 20) -> tuple[float, ...]:
     """Cost of one draft token as a fraction of a plain step at each K of `ks`, for engines served apart (a draft
     engine's forwards, prompt lookup's verify rows): (verify(K + 1 rows) + K draft forwards - step) / (K * step).
 
@@ -156,8 +159,27 @@ def _seconds(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+class EveryStepDraft:
+    """A stand-in for prompt lookup when its cost is timed through engine steps: K draft tokens for every request at
+    every step (copies of one token, which the target rejects almost always). A step's cost depends on how many tokens
+    it verifies, not which; real lookups on made-up prompts would draft nothing."""
+
+    needs_hidden_states = False
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
+        """K copies of token 0 for every request."""
+        return [Draft(token_ids=[0] * inp.num_tokens) for inp in inputs]
+
+    def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """Nothing to adapt."""
+
+    def release(self, request_id: str) -> None:
+        """Nothing to forget."""
+
+
 def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | None, ks: tuple[int, ...],
-                             batches: tuple[int, ...] = (1,)) -> tuple[tuple[tuple[int, float], ...], ...]:
+                             batches: tuple[int, ...] = (1,),
+                             lookup_in_engine: bool = False) -> tuple[tuple[tuple[int, float], ...], ...]:
     """Per K of `ks`, ((batch, draft_token_cost), ...) of built engines (their qformats and kernels) at each running
     batch size, rounded to 0.01: the switch-off's break-even and the batch gate (draft_token_cost parameter, written
     when the repository is assembled; and one_token_cost, at K=1). A draft token's cost grows with the batch where
@@ -166,8 +188,12 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
 
     Each model is timed as a served engine runs it: loaded by LLMEngine with batch-invariant math (the
     serving default), so with its compiled layers and its decode steps on the thread count the engine measured
-    (pipeline.reference.decode_threads). draft_dir None: prompt lookup. Takes a few seconds per batch size for
-    SmolLM2-sized engines.
+    (pipeline.reference.decode_threads). draft_dir None: prompt lookup. lookup_in_engine: prompt lookup drafts inside
+    the target engine's steps (the reference engine serving mode ngram), so its cost is timed through engine steps
+    (`in_engine_draft_token_cost`, with `EveryStepDraft` on `batch` prompts of made-up ids) rather than by forwards
+    back to back, which leave out the engine's own work on a speculative step: at 4 in flight on SmolLM2's int8 engine
+    forwards timed 0.19-0.33 of a step a draft token of K=5, and served chat at concurrency 4 paid about 0.28 for its
+    (docs/benchmarks.md). Takes a few seconds per batch size for SmolLM2-sized engines.
     """
     from pipeline.reference.engine import LLMEngine
 
@@ -175,6 +201,14 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
         return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1).model
 
     target = served(target_dir)
-    draft = served(draft_dir) if draft_dir is not None else None
-    by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
+    if lookup_in_engine:
+        if draft_dir is not None:
+            raise ValueError("lookup_in_engine times prompt lookup: give no draft engine")
+        ids = random.Random(0)
+        by_batch = [in_engine_draft_token_cost(target, EveryStepDraft, ks, [
+            [ids.randrange(target.vocab_size) for _ in range(COST_CONTEXT)] for _ in range(batch)])
+            for batch in batches]  # [batch][k]
+    else:
+        draft = served(draft_dir) if draft_dir is not None else None
+        by_batch = [draft_token_cost(target, draft, ks, batch=batch, context=COST_CONTEXT) for batch in batches]
     return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))

@@ -231,7 +231,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     running batch size (the switch-off's break-even, pipeline.reference.step_cost) at the spec's K: batch 1 for the
     BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself, and there
     also in one-token drafts (at_one: where a step's fixed part, its calls and the verify's second row, is large,
-    short drafts cost more per token than K's; PolicyConfig.step_costs). Nothing where the BLS makes no
+    short drafts cost more per token than K's; PolicyConfig.step_costs), timed through the engine's steps as it runs
+    the lookup (`engine_draft_token_costs`' lookup_in_engine). Nothing where the BLS makes no
     drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines are built
     elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
@@ -257,14 +258,15 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     switches += " builds " + ",".join(f"{isa.library}[{' '.join((*isa.flags, *cpp_ops.OPENMP))}]"
                                       for isa in builds if isa is not None)
     switches += (f" {decode_threads.ENV}={os.environ.get(decode_threads.ENV) or 'measured'}; timed {ENGINE_TIMING}"
-                 f" by engine code {engine_code_digest()}")
+                 f" by engine code {engine_code_digest()}{' through engine steps' if in_engine else ''}")
     key = (f"{target.path.resolve()} {draft.path.resolve() if draft is not None else 'ngram'} "
            f"K={','.join(map(str, ks))} "
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
     if key not in memo:  # [[[batch, cost], ...] per K]
-        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches)
+        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches,
+                                             lookup_in_engine=in_engine)
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
     return DraftTokenCosts(*(tuple((int(batch), float(cost)) for batch, cost in at) for at in memo[key]))
