@@ -75,7 +75,8 @@ inline float bf16_round(float x) {
 // fp32(x . w summed in float64): xd [H] the row in float64, w [H] the token's fp16 weights. Each product is exact in
 // float64 (11 x 24 significant bits), so only the sum's order moves its last float64 bits, which the final rounding
 // to float32 hides (tested against torch's sum, a different order): 8 float64 lanes per fused multiply-add, two
-// chains, then the lanes' sum. One scalar loop through at::Half's conversion took about 1 us a candidate; SmolLM2's rows have 5-100.
+// chains, then the lanes' sum. One scalar loop through at::Half's conversion took about 1 us a candidate; SmolLM2's
+// rows have 5-100.
 inline float exact_logit(const double* xd, const at::Half* w, int64_t H) {
   __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
   int64_t i = 0;
