@@ -12,8 +12,9 @@ so it is measured per batch size. A step is not quite linear in K: its calls and
 than each further token, so the policy also takes the cost at K=1 and prices a step affinely
 (PolicyConfig.step_costs).
 Two timings, by where the drafting runs: engines served apart (a draft engine, prompt lookup in the BLS) by their
-forwards (`draft_token_cost`, what `pipeline repo` writes), a proposer inside the reference engine (make
-bench-engine's drafts) by engine steps (`in_engine_draft_token_cost`): forwards timed back to back left out a third
+forwards (`draft_token_cost`), a proposer inside the reference engine (make bench-engine's drafts, the served
+engine's prompt lookup) by engine steps (`in_engine_draft_token_cost`); `pipeline repo` writes either
+(`engine_draft_token_costs`). Forwards timed back to back left out a third
 to a half of what such a draft token costs in the engine, and the switch-off probed a useless draft too long.
 """
 
@@ -192,8 +193,8 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
     the target engine's steps (the reference engine serving mode ngram), so its cost is timed through engine steps
     (`in_engine_draft_token_cost`, with `EveryStepDraft` on `batch` prompts of made-up ids) rather than by forwards
     back to back, which leave out the engine's own work on a speculative step: at 4 in flight on SmolLM2's int8 engine
-    forwards timed 0.19-0.33 of a step a draft token of K=5, and served chat at concurrency 4 paid about 0.28 for its
-    (docs/benchmarks.md). Takes a few seconds per batch size for SmolLM2-sized engines.
+    forwards timed 0.19-0.33 of a step a draft token of K=5, engine steps 0.31-0.33, and served chat at concurrency 4
+    paid about 0.28 (docs/benchmarks.md). Takes a few seconds per batch size for SmolLM2-sized engines.
     """
     from pipeline.reference.engine import LLMEngine
 
