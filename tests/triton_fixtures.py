@@ -141,3 +141,29 @@ def triton_server(tiny_spec_engines) -> TritonHandle:
     with serving(tiny_spec_engines.plan) as (server, repo):
         yield TritonHandle(server=server, spec=spec, repo=repo, target_dir=tiny_spec_engines.target_dir,
                            draft_dir=tiny_spec_engines.draft_dir)
+
+
+# Seconds the shared server may take to answer the one-token request before a test that uses it
+ANSWERS_WITHIN_S = 60
+
+
+@pytest.fixture(autouse=True)
+def triton_server_answers(request):
+    """Before every test that uses the shared server: it still answers a one-token request, or the session stops at
+    once (pytest.exit, exit status 1). Triton 2.51's python backend once deadlocked after a client left mid-stream
+    (docs/reliability.md): the server stayed ready and answered nothing, and each later test waited out its client's
+    timeout, which took a CI run past its 30 minutes. Stopped at once, the run fails fast and CI's second run
+    (.ci/run) starts on a fresh server."""
+    if "triton_server" not in request.fixturenames:
+        return
+    from clients.client import ClientError, GenerateRequest, SamplingParams, TritonClient
+
+    server = request.getfixturevalue("triton_server")
+    try:
+        with TritonClient(server.grpc_url, timeout_s=ANSWERS_WITHIN_S) as client:
+            client.generate(GenerateRequest("Is the server alive?", 1, SamplingParams(temperature=0.0),
+                                            num_draft_tokens=0))
+    except ClientError as error:
+        pytest.exit(f"the shared Triton server did not answer a one-token request before {request.node.nodeid} "
+                    f"({error}); stopping the session: a wedged server fails every later test on its timeout. "
+                    f"Its log: {server.spec.out_dir / 'tritonserver.log'}", returncode=1)
