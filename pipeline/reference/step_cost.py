@@ -211,5 +211,5 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
             for batch in batches]  # [batch][k]
     else:
         draft = served(draft_dir) if draft_dir is not None else None
-        by_batch = [draft_token_cost(target, draft, ks, batch=batch, context=COST_CONTEXT) for batch in batches]
+        by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
     return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))

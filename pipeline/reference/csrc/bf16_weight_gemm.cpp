@@ -130,7 +130,7 @@ void screen_row(const float* xr, float* lr, const at::Half* w, int64_t H, int64_
 // `screen_row` of every row of approximate logits [R, V] (float32, in place) of rows x [R, H] (float32) with the exact
 // weights weight16 [V, H] (fp16), the rows over torch's threads (a row's screening reads and writes its own row
 // only). It replaces about 15 torch ops (0.5-0.6 ms of a SmolLM2 step on Zen4); after the vectorized exact logits
-// and the threads, a row took 46 us instead of 94 alone, five 0.11-0.13 ms instead of 0.33 (docs/benchmarks.md).
+// and the threads, a row took 46-62 us instead of 94 alone, five 0.09-0.14 ms instead of 0.33 (docs/benchmarks.md).
 void screen_logits(at::Tensor x, at::Tensor logits, at::Tensor weight16, double max_norm, double max_rounding_norm,
                    double gamma, double flushed, double output_rounding) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "screen_logits: x must be contiguous float32 [rows, in]");
