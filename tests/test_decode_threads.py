@@ -11,10 +11,11 @@ import torch
 
 from pipeline.reference import compiled, decode_threads
 from pipeline.reference.draft_model import DraftModelProposer
-from pipeline.reference.engine import LLMEngine
+from pipeline.reference.engine import LLMEngine, Request
 from pipeline.reference.linear import intra_op_threads
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput
+from pipeline.serving.reference_adapter import load_serving_engine
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the module's engine builds, a fixture
 from tests.test_speculative import prompts
 
@@ -62,6 +63,9 @@ def test_the_engine_measures_where_the_choice_is_free_and_keeps_it(compiled_mode
         assert chosen in (1, 2) and model.decode_threads == model.measured_decode_threads == chosen
         model.decode_threads = 7
         assert decode_threads.choose(model, kv) == chosen  # measured once per model
+        model.measured_decode_threads = 7  # as if timed while other processes took a core
+        assert decode_threads.choose(model, kv, again=True) in (1, 2)  # measured anew
+        assert model.decode_threads == model.measured_decode_threads != 7
         monkeypatch.setenv(decode_threads.ENV, "1")  # forced: no measurement
         assert decode_threads.choose(model, kv) == 1 == model.decode_threads
         monkeypatch.setenv(decode_threads.ENV, "two")
@@ -99,3 +103,22 @@ def test_a_draft_model_gets_the_faster_thread_count_where_a_target_would_not(tin
         proposer = DraftModelProposer(model, max_batch_size=2, max_seq_len=128)
         assert model.measured_decode_threads in (1, 2) and model.decode_threads == model.measured_decode_threads
         assert proposer.propose([ProposalInput("r", prompts(1)[0], 3)])[0].token_ids  # drafts on that count
+
+
+def test_a_served_engine_chooses_its_threads_again_before_its_first_step(int8_engines, monkeypatch):  # noqa: F811
+    """At load the server's other model processes start beside the engine and take a core, so what it timed then
+    says little; it times again before its first step, once, and reports the count."""
+    monkeypatch.delenv(decode_threads.ENV, raising=False)
+    with intra_op_threads(2):
+        engine = load_serving_engine(int8_engines["int8_sq"])
+        engine.model.compiled_layers = compiled.CompiledLayers(engine.model)  # as `compiled_model`: on the kernels
+        if not engine.model.thread_count_invariant(engine.kv):
+            pytest.skip("the project's kernels do not all run on this CPU")
+        reported = []
+        engine.on_decode_threads = reported.append
+        engine.model.measured_decode_threads = engine.model.decode_threads = 7  # as if timed under others' load
+        engine.add_request(Request("r", prompts(1)[0], 4))
+        while engine.has_unfinished():
+            engine.step()
+        assert len(reported) == 1 and reported[0] in (1, 2)
+        assert engine.model.decode_threads == engine.model.measured_decode_threads == reported[0]

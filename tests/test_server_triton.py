@@ -5,6 +5,7 @@ Greedy outputs are compared with plain Hugging Face greedy decoding of the targe
 
 import json
 import queue
+import re
 import time
 import urllib.error
 import urllib.request
@@ -348,6 +349,15 @@ def test_metrics_endpoint_shows_speculative_metrics(triton_server):
     assert "spec_decode_accepted_tokens_per_position_total{" in text
     busy = [l for l in text.splitlines() if l.startswith('reference_engine_step_seconds_total{model="tensorrt_llm"}')]
     assert busy and float(busy[0].rsplit(" ", 1)[1]) > 0  # engine busy time, for utilization and bench-serve
+
+
+def test_each_served_engine_chooses_its_decode_threads_once_before_its_first_step(triton_server):
+    """The target's engine chose its small forwards' thread count before its first step (the session's guard has sent
+    a request), not at load alone, where the other model processes starting beside it skew the timing
+    (pipeline.serving.reference_adapter.MeteredEngine), and said so in the server log, once."""
+    log = triton_server.server.log_file.read_text(errors="replace")
+    chosen = re.findall(r"tensorrt_llm: small forwards on ([0-9]+) thread\(s\), chosen before the first step", log)
+    assert len(chosen) == 1 and int(chosen[0]) >= 1, chosen
 
 
 def _metric(triton_server, name: str) -> float:

@@ -31,17 +31,20 @@ MIN_GAIN = 0.05  # more threads must be this much faster (fewer threads leave th
 log = logging.getLogger(__name__)
 
 
-def choose(model: LlamaModel, kv: KVCache, draft: bool = False) -> int | None:
+def choose(model: LlamaModel, kv: KVCache, draft: bool = False, again: bool = False) -> int | None:
     """Set and return `model.decode_threads`: REFERENCE_DECODE_THREADS where set; else, where the model's small
     forwards over `kv` are thread-count invariant (or the model is a `draft`) and torch runs more than one thread,
     the faster of one thread and torch's count (a step plus a verify, a draft's one-token step alone: what it runs;
-    measured once per model; blocks at the start of `kv` serve as scratch, so call it before any request runs);
+    measured once per model, or `again`; blocks at the start of `kv` serve as scratch, so call it before any request
+    runs);
     else (also where `kv` holds fewer than CONTEXT + VERIFY_ROWS slots) the model's own setting (1 by default).
     The tokens are the same whatever the choice; a draft's proposals may differ (its dense GEMMs of several rows
     need not round alike on other thread counts), but they are only proposals the target verifies. SmolLM2's
     4-layer float32 draft stepped in 8.0-8.6 ms on two threads against 9.8-10.4 on one, its one-row GEMVs split
     over both (linear.ONE_ROW_SPLIT_BYTES); the trained pair's 1-layer draft in 0.19-0.28 against 0.18-0.21, and
-    in the engine its proposals on two threads made the pair 13% slower."""
+    in the engine its proposals on two threads made the pair 13% slower.
+    again: measure even where this model was measured before; a served engine measures again before its first step
+    (pipeline.serving.reference_adapter.MeteredEngine), as the other models' processes start beside it at load."""
     forced = os.environ.get(ENV)
     if forced:
         model.decode_threads = _positive(forced)
@@ -50,7 +53,7 @@ def choose(model: LlamaModel, kv: KVCache, draft: bool = False) -> int | None:
     too_small = kv.num_blocks * kv.block_size < CONTEXT + VERIFY_ROWS  # no room for the timed forwards
     if len(candidates) == 1 or too_small or not (draft or model.thread_count_invariant(kv)):
         return model.decode_threads
-    if model.measured_decode_threads is None:
+    if model.measured_decode_threads is None or again:
         seconds = time_small_forwards(model, kv, candidates, verify=not draft)
         model.measured_decode_threads = faster(seconds)
         timed = "a draft step" if draft else f"a step plus a {VERIFY_ROWS}-token verify"

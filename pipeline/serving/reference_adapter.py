@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pipeline.reference import decode_threads
 from pipeline.reference.engine import LLMEngine, Request, RequestOutput
 from pipeline.reference.metrics import SpecStats
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
@@ -171,13 +172,24 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
 
 class MeteredEngine(LLMEngine):
     """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks) and the
-    speculation of each request that finished having drafted, on the thread that steps it."""
+    speculation of each request that finished having drafted, on the thread that steps it.
+
+    Before its first step it times its decode threads again (`decode_threads.choose(again=True)`; no request has
+    blocks yet, so the cache's first blocks are free scratch) and reports the count (`on_decode_threads`): at load,
+    the server's other model processes start beside it and take a core, so the default engine timed one thread at
+    28 ms and two at 29 in 3 of 3 server starts and served every step on one (10.9 ms a plain step of `make bench`'s
+    code prompts, against 8.4 on two threads; docs/benchmarks.md). By the first request the server has loaded."""
 
     on_step: Callable[[float], None] = staticmethod(lambda seconds: None)
     on_speculated: Callable[[SpecStats], None] = staticmethod(lambda stats: None)
+    on_decode_threads: Callable[[int | None], None] = staticmethod(lambda threads: None)
+    _threads_timed: bool = False  # the decode threads were timed again before the first step
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step, timed."""
+        if not self._threads_timed:
+            self._threads_timed = True
+            self.on_decode_threads(decode_threads.choose(self.model, self.kv, again=True))
         start = time.perf_counter()
         try:
             outputs = super().step()

@@ -38,6 +38,8 @@ class TritonPythonModel:
         self.engine = load_serving_engine(params["gpt_model_path"], params)
         self.metrics = EngineMetrics(args["model_name"])
         self.engine.on_step = self.metrics.step
+        self.engine.on_decode_threads = lambda threads: pb_utils.Logger.log_info(
+            f"{args['model_name']}: small forwards on {threads} thread(s), chosen before the first step")
         # an engine that drafts itself (prompt lookup, Medusa, EAGLE) counts its speculation as the BLS counts its
         # rounds; on the engine's thread, as every metric update of this model (the step counters above)
         if self.engine.proposer is not None:
