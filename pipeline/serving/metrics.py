@@ -6,11 +6,17 @@ the instance: a family that is garbage-collected makes every later update fail.
 
 from __future__ import annotations
 
+import time
+
 import triton_python_backend_utils as pb_utils
 
 from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
                             DRAFT_TOKENS_METRIC, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, FALLBACKS_METRIC,
                             IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
+from pipeline.reference.metrics import SpecStats
+
+# Seconds a reference engine's counters may wait before they are sent while it works (EngineMetrics)
+FLUSH_S = 1.0
 
 
 class SpecMetrics:
@@ -66,8 +72,9 @@ class SpecMetrics:
         self.accepted_tokens.increment(counts.accepted)
 
     def record_request(self, stats) -> None:
-        """Add one finished request's speculation inside a reference engine (pipeline.reference.metrics.SpecStats:
-        its rounds are the steps that verified a draft; totals, so the acceptance-length histogram stays)."""
+        """Add finished requests' speculation inside a reference engine (pipeline.reference.metrics.SpecStats, one
+        request's or several summed: its rounds are the steps that verified a draft; totals, so the acceptance-length
+        histogram stays)."""
         self.rounds.increment(stats.spec_steps)
         self.draft_tokens.increment(stats.draft_tokens)
         self.accepted_tokens.increment(stats.accepted_tokens)
@@ -84,17 +91,44 @@ class SpecMetrics:
 
 
 class EngineMetrics:
-    """Busy time of a reference engine (seconds inside step()) and its step count, labelled by model."""
+    """Busy time of a reference engine (seconds inside step()), its step count and, for an engine that drafts itself,
+    its finished requests' speculation (`spec`), labelled by model.
 
-    def __init__(self, model: str):
+    Every update of a Triton metric is a round trip to the server process, made on the engine's thread: the two
+    updates of each step took about 0.4 ms each under `make bench`'s code prompts, a tenth of the step's time on top
+    of it (py-spy on the served model's process; docs/benchmarks.md), and a finished request's speculation 3 + K more.
+    So they are summed here and sent at most every FLUSH_S while the engine works, and whenever it goes idle
+    (`flush`, before the outputs of its last step reach their clients: a client that got its answer reads counters
+    that include it)."""
+
+    def __init__(self, model: str, spec: SpecMetrics | None = None):
         labels = {"model": model}
         counter = pb_utils.MetricFamily.COUNTER
         self.families = [pb_utils.MetricFamily(ENGINE_STEP_SECONDS_METRIC, "Seconds the reference engine spent in step()", counter),
                          pb_utils.MetricFamily(ENGINE_STEPS_METRIC, "Scheduler steps of the reference engine", counter)]
         self.seconds = self.families[0].Metric(labels=labels)
         self.steps = self.families[1].Metric(labels=labels)
+        self.spec = spec
+        self._seconds, self._steps, self._speculation = 0.0, 0, SpecStats()  # not sent yet
+        self._sent = time.monotonic()
 
     def step(self, seconds: float) -> None:
-        """Count one step."""
-        self.seconds.increment(seconds)
-        self.steps.increment(1)
+        """Count one step (sent with the others within FLUSH_S)."""
+        self._seconds += seconds
+        self._steps += 1
+        if time.monotonic() - self._sent >= FLUSH_S:
+            self.flush()
+
+    def speculated(self, stats: SpecStats) -> None:
+        """Count a finished request's speculation (pipeline.reference.metrics.SpecStats), sent with the steps."""
+        self._speculation.add(stats)
+
+    def flush(self) -> None:
+        """Send what was counted since the last flush."""
+        if self._steps:
+            self.seconds.increment(self._seconds)
+            self.steps.increment(self._steps)
+        if self.spec is not None and self._speculation.draft_tokens:
+            self.spec.record_request(self._speculation)
+        self._seconds, self._steps, self._speculation = 0.0, 0, SpecStats()
+        self._sent = time.monotonic()

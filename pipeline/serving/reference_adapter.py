@@ -171,8 +171,9 @@ def engine_request(inputs: dict[str, np.ndarray], request_id: str, exclude_input
 
 
 class MeteredEngine(LLMEngine):
-    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks) and the
-    speculation of each request that finished having drafted, on the thread that steps it.
+    """An LLMEngine that reports how long each step() took (engine busy time, for metrics and benchmarks), the
+    speculation of each request that finished having drafted, and each step after which it has no work left, on the
+    thread that steps it.
 
     Before its first step it times its decode threads again (`decode_threads.choose(again=True)`; no request has
     blocks yet, so the cache's first blocks are free scratch) and reports the count (`on_decode_threads`): at load,
@@ -182,6 +183,7 @@ class MeteredEngine(LLMEngine):
 
     on_step: Callable[[float], None] = staticmethod(lambda seconds: None)
     on_speculated: Callable[[SpecStats], None] = staticmethod(lambda stats: None)
+    on_idle: Callable[[], None] = staticmethod(lambda: None)  # after a step that left no request unfinished
     on_decode_threads: Callable[[int | None], None] = staticmethod(lambda threads: None)
     _threads_timed: bool = False  # the decode threads were timed again before the first step
 
@@ -198,6 +200,8 @@ class MeteredEngine(LLMEngine):
         for out in outputs:
             if out.finished and out.stats.draft_tokens:
                 self.on_speculated(out.stats)
+        if not self.has_unfinished():
+            self.on_idle()
         return outputs
 
 

@@ -36,15 +36,15 @@ class TritonPythonModel:
         self.exclude_input = params.get("exclude_input_in_output", "false").lower() == "true"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(triton_io.model_config(args))
         self.engine = load_serving_engine(params["gpt_model_path"], params)
-        self.metrics = EngineMetrics(args["model_name"])
-        self.engine.on_step = self.metrics.step
+        # an engine that drafts itself (prompt lookup, Medusa, EAGLE) counts its speculation as the BLS counts its
+        # rounds; on the engine's thread, as every metric update of this model, sent in sums (EngineMetrics)
+        spec = (SpecMetrics(args["model_name"], self.engine.config.max_draft_len, callees=[])
+                if self.engine.proposer is not None else None)
+        self.metrics = EngineMetrics(args["model_name"], spec)
+        self.engine.on_step, self.engine.on_idle = self.metrics.step, self.metrics.flush
+        self.engine.on_speculated = self.metrics.speculated
         self.engine.on_decode_threads = lambda threads: pb_utils.Logger.log_info(
             f"{args['model_name']}: small forwards on {threads} thread(s), chosen before the first step")
-        # an engine that drafts itself (prompt lookup, Medusa, EAGLE) counts its speculation as the BLS counts its
-        # rounds; on the engine's thread, as every metric update of this model (the step counters above)
-        if self.engine.proposer is not None:
-            self.spec_metrics = SpecMetrics(args["model_name"], self.engine.config.max_draft_len, callees=[])
-            self.engine.on_speculated = self.spec_metrics.record_request
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine, regather_s=REGATHER_S)
         self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
