@@ -11,12 +11,9 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
-                            DRAFT_TOKENS_METRIC, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, FALLBACKS_METRIC,
-                            IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
+                            DRAFT_TOKENS_METRIC, ENGINE_METRICS_FLUSH_S, ENGINE_STEP_SECONDS_METRIC,
+                            ENGINE_STEPS_METRIC, FALLBACKS_METRIC, IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
 from pipeline.reference.metrics import SpecStats
-
-# Seconds a reference engine's counters may wait before they are sent while it works (EngineMetrics)
-FLUSH_S = 1.0
 
 
 class SpecMetrics:
@@ -79,7 +76,8 @@ class SpecMetrics:
         self.draft_tokens.increment(stats.draft_tokens)
         self.accepted_tokens.increment(stats.accepted_tokens)
         for counter, accepted in zip(self.per_position, stats.accepted_by_position):
-            counter.increment(accepted)
+            if accepted:  # each update is a round trip to the server process
+                counter.increment(accepted)
 
     def fallback(self) -> None:
         """Count a request that lost its draft model."""
@@ -97,9 +95,9 @@ class EngineMetrics:
     Every update of a Triton metric is a round trip to the server process, made on the engine's thread: the two
     updates of each step took about 0.4 ms each under `make bench`'s code prompts, a tenth of the step's time on top
     of it (py-spy on the served model's process; docs/benchmarks.md), and a finished request's speculation 3 + K more.
-    So they are summed here and sent at most every FLUSH_S while the engine works, and whenever it goes idle
-    (`flush`, before the outputs of its last step reach their clients: a client that got its answer reads counters
-    that include it)."""
+    So they are summed here and sent at most every ENGINE_METRICS_FLUSH_S while the engine works, and whenever it goes
+    idle (`flush`, before the outputs of its last step reach their clients: a client that got its answer reads
+    counters that include it)."""
 
     def __init__(self, model: str, spec: SpecMetrics | None = None):
         labels = {"model": model}
@@ -113,10 +111,10 @@ class EngineMetrics:
         self._sent = time.monotonic()
 
     def step(self, seconds: float) -> None:
-        """Count one step (sent with the others within FLUSH_S)."""
+        """Count one step (sent with the others within ENGINE_METRICS_FLUSH_S)."""
         self._seconds += seconds
         self._steps += 1
-        if time.monotonic() - self._sent >= FLUSH_S:
+        if time.monotonic() - self._sent >= ENGINE_METRICS_FLUSH_S:
             self.flush()
 
     def speculated(self, stats: SpecStats) -> None:
