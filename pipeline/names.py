@@ -28,6 +28,6 @@ SPEC_DECODE_METRICS = (DRAFT_TOKENS_METRIC, ACCEPTED_TOKENS_METRIC, ACCEPTED_PER
 # Metrics of a reference engine model (its busy time inside step()).
 ENGINE_STEP_SECONDS_METRIC = "reference_engine_step_seconds_total"
 ENGINE_STEPS_METRIC = "reference_engine_steps_total"
-# Seconds a working reference engine's counters may lag: it sends them at most this often, and when it goes idle
-# (pipeline.serving.metrics.EngineMetrics)
-ENGINE_METRICS_FLUSH_S = 0.5
+# Seconds a working model's speculation and engine counters may lag: they are sent at most this often, and when the
+# model has no work left (pipeline.serving.metrics: each update is a round trip to the server process)
+METRICS_FLUSH_S = 0.5

@@ -22,7 +22,7 @@ import pytest
 
 from clients.client import AsyncTritonClient, ClientError, GenerateRequest, SamplingParams, TritonClient
 from pipeline.lifecycle import Endpoints, check, stub_pids
-from pipeline.names import ENGINE_METRICS_FLUSH_S
+from pipeline.names import METRICS_FLUSH_S
 from pipeline.serving import heartbeat
 from pipeline.serving.bls import PLAIN_CHUNK_TOKENS
 from pipeline.serving.drain import DRAIN_ENV, DRAINING, read_state
@@ -47,9 +47,9 @@ def engine_steps(metrics_url: str) -> dict[str, float]:
 
 
 def settled_steps(metrics_url: str, quiet_s: float = 1.0, limit_s: float = 30.0) -> dict[str, float]:
-    """The engine step counters once they stopped moving for `quiet_s` (more than ENGINE_METRICS_FLUSH_S, within which
+    """The engine step counters once they stopped moving for `quiet_s` (more than METRICS_FLUSH_S, within which
     a working engine sends them: then the engines are idle and their counters exact)."""
-    assert quiet_s > ENGINE_METRICS_FLUSH_S
+    assert quiet_s > METRICS_FLUSH_S
     last, since, deadline = engine_steps(metrics_url), time.monotonic(), time.monotonic() + limit_s
     while time.monotonic() < deadline:
         time.sleep(0.2)
@@ -72,7 +72,7 @@ def request(prompt: str, max_tokens: int, k: int, **sampling) -> GenerateRequest
 def test_a_client_that_leaves_stops_engine_work(triton_server, model, protocol, k):
     """gRPC stream cancel / HTTP generate_stream disconnect: the engines stop within about one plain chunk (k=0) or
     two speculative rounds of the client's leaving, counted by the engines' own step counters from idle to idle
-    (they are sent while an engine works at most every ENGINE_METRICS_FLUSH_S, and whenever it goes idle)."""
+    (they are sent while an engine works at most every METRICS_FLUSH_S, and whenever it goes idle)."""
     url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
     before = settled_steps(triton_server.metrics_url)
     client = TritonClient(url, protocol=protocol, model=model, timeout_s=60)

@@ -11,7 +11,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
-                            DRAFT_TOKENS_METRIC, ENGINE_METRICS_FLUSH_S, ENGINE_STEP_SECONDS_METRIC,
+                            DRAFT_TOKENS_METRIC, METRICS_FLUSH_S, ENGINE_STEP_SECONDS_METRIC,
                             ENGINE_STEPS_METRIC, FALLBACKS_METRIC, IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
 from pipeline.reference.metrics import SpecStats
 
@@ -51,15 +51,31 @@ class SpecMetrics:
         self.acceptance_length = self.families[ACCEPTANCE_LENGTH_METRIC].Metric(labels=labels, buckets=buckets)
         self.per_position = [self.families[ACCEPTED_PER_POSITION_METRIC].Metric(labels={**labels, "position": str(i + 1)})
                              for i in range(max(max_draft_len, 1))]
+        self._rounds, self._lengths, self._sent = SpecStats(), [], time.monotonic()  # rounds not sent yet (`round`)
 
     def round(self, proposed: int, accepted: int) -> None:
-        """Count one verified round."""
-        self.rounds.increment(1)
-        self.draft_tokens.increment(proposed)
-        self.accepted_tokens.increment(accepted)
-        self.acceptance_length.observe(accepted)
-        for pos in range(min(accepted, len(self.per_position))):
-            self.per_position[pos].increment(1)
+        """Count one verified round, sent with the others within METRICS_FLUSH_S or when no request is in flight
+        (`set_in_flight`): each update is a round trip to the server process, made in the BLS's event loop, and a
+        round's 4 + accepted of them held every request of this instance."""
+        self._rounds.record_step(proposed, proposed, accepted, accepted + 1)
+        self._lengths.append(accepted)
+        if time.monotonic() - self._sent >= METRICS_FLUSH_S:
+            self.flush()
+
+    def set_in_flight(self, requests: int) -> None:
+        """Set the requests-in-flight gauge; with none left, send the rounds counted (before the last request's
+        final response, which the BLS sends on the event loop's next turn)."""
+        self.in_flight.set(requests)
+        if requests == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the rounds counted since the last flush."""
+        if self._rounds.spec_steps:
+            self.record_request(self._rounds)
+            for accepted in self._lengths:
+                self.acceptance_length.observe(accepted)
+        self._rounds, self._lengths, self._sent = SpecStats(), [], time.monotonic()
 
     def count(self, counts) -> None:
         """Add speculation counted elsewhere (iteration_stats.SpecDecodeCounts: the LLM API's iteration stats,
@@ -95,7 +111,7 @@ class EngineMetrics:
     Every update of a Triton metric is a round trip to the server process, made on the engine's thread: the two
     updates of each step took about 0.4 ms each under `make bench`'s code prompts, a tenth of the step's time on top
     of it (py-spy on the served model's process; docs/benchmarks.md), and a finished request's speculation 3 + K more.
-    So they are summed here and sent at most every ENGINE_METRICS_FLUSH_S while the engine works, and whenever it goes
+    So they are summed here and sent at most every METRICS_FLUSH_S while the engine works, and whenever it goes
     idle (`flush`, before the outputs of its last step reach their clients: a client that got its answer reads
     counters that include it)."""
 
@@ -111,10 +127,10 @@ class EngineMetrics:
         self._sent = time.monotonic()
 
     def step(self, seconds: float) -> None:
-        """Count one step (sent with the others within ENGINE_METRICS_FLUSH_S)."""
+        """Count one step (sent with the others within METRICS_FLUSH_S)."""
         self._seconds += seconds
         self._steps += 1
-        if time.monotonic() - self._sent >= ENGINE_METRICS_FLUSH_S:
+        if time.monotonic() - self._sent >= METRICS_FLUSH_S:
             self.flush()
 
     def speculated(self, stats: SpecStats) -> None:

@@ -41,7 +41,7 @@ class TritonPythonModel:
         self.client = TritonModelClient(self.decoupled, self.settings.stall_timeout_s, self._model_down)
         # the decoder counts the requests in flight (its batch gate); the drain gauge shows its count
         self.decoder = SpeculativeDecoder(self.settings, self.client, self.metrics, pb_utils.Logger.log_warn,
-                                          on_in_flight=self.metrics.in_flight.set)
+                                          on_in_flight=self.metrics.set_in_flight)
         self.drain = DrainState()
 
     def _model_down(self, model, reason):
