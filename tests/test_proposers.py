@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pipeline.reference.metrics import SpecStats, aggregate
+from pipeline.spec_stats import SpecStats, aggregate
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices

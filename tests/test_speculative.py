@@ -14,7 +14,7 @@ from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.eagle import EagleProposer
 from pipeline.reference.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
-from pipeline.reference.metrics import aggregate
+from pipeline.spec_stats import aggregate
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.fixtures.models import make_random_eagle3

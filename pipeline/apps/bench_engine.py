@@ -42,13 +42,13 @@ from tqdm import tqdm
 
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import EngineConfig, LLMEngine, Request
-from pipeline.reference.metrics import SpecStats, aggregate
 from pipeline.reference.model import LlamaModel, config_from_hf
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.step_cost import in_engine_draft_token_cost
 from pipeline.repo.validate import load_config
 from pipeline.serving.reference_adapter import lookup_proposer
+from pipeline.spec_stats import SpecStats, aggregate
 from pipeline.corpus import local_text
 
 NEW_TOKENS = 128

@@ -27,7 +27,6 @@ import torch
 from pipeline.limits import EngineLimits
 from pipeline.reference import compiled, decode_threads, fused_layers, greedy_tokens
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
-from pipeline.reference.metrics import SpecStats
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.reference.rejection_sampler import DraftToVerify, verify
@@ -35,6 +34,7 @@ from pipeline.reference.sampling import SamplingParams, position_generator, prob
 from pipeline.reference.tree import chain_parents, node_depths, path_to
 from pipeline.seeds import ROLE_PROPOSER, derive_seed
 from pipeline.sequences import find_stop
+from pipeline.spec_stats import SpecStats
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]

@@ -11,9 +11,9 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from pipeline.names import (ACCEPTANCE_LENGTH_METRIC, ACCEPTED_PER_POSITION_METRIC, ACCEPTED_TOKENS_METRIC,
-                            DRAFT_TOKENS_METRIC, METRICS_FLUSH_S, ENGINE_STEP_SECONDS_METRIC,
-                            ENGINE_STEPS_METRIC, FALLBACKS_METRIC, IN_FLIGHT_METRIC, MODEL_UP_METRIC, ROUNDS_METRIC)
-from pipeline.reference.metrics import SpecStats
+                            DRAFT_TOKENS_METRIC, ENGINE_STEP_SECONDS_METRIC, ENGINE_STEPS_METRIC, FALLBACKS_METRIC,
+                            IN_FLIGHT_METRIC, METRICS_FLUSH_S, MODEL_UP_METRIC, ROUNDS_METRIC)
+from pipeline.spec_stats import SpecStats
 
 
 class SpecMetrics:
@@ -85,7 +85,7 @@ class SpecMetrics:
         self.accepted_tokens.increment(counts.accepted)
 
     def record_request(self, stats) -> None:
-        """Add finished requests' speculation inside a reference engine (pipeline.reference.metrics.SpecStats, one
+        """Add finished requests' speculation inside a reference engine (pipeline.spec_stats.SpecStats, one
         request's or several summed: its rounds are the steps that verified a draft; totals, so the acceptance-length
         histogram stays)."""
         self.rounds.increment(stats.spec_steps)
@@ -134,7 +134,7 @@ class EngineMetrics:
             self.flush()
 
     def speculated(self, stats: SpecStats) -> None:
-        """Count a finished request's speculation (pipeline.reference.metrics.SpecStats), sent with the steps."""
+        """Count a finished request's speculation (pipeline.spec_stats.SpecStats), sent with the steps."""
         self._speculation.add(stats)
 
     def flush(self) -> None:

@@ -24,13 +24,13 @@ import torch
 
 from pipeline.reference import decode_threads
 from pipeline.reference.engine import LLMEngine, Request, RequestOutput
-from pipeline.reference.metrics import SpecStats
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
 from pipeline.serving.errors import RequestError
 from pipeline.serving.params import ENGINE_SAMPLING_NAMES, parse_draft_token_costs, read_sampling, scalar
 from pipeline.serving.text import from_word_list_format
+from pipeline.spec_stats import SpecStats
 
 # Inputs of the tensorrtllm backend the reference engine does not implement: sending one is an error.
 # (decoder_input_ids / decoder_input_lengths are not among them: NVIDIA's backend reads them for encoder-decoder

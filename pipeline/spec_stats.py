@@ -5,6 +5,9 @@
 - acceptance_by_position[i] = how often draft position i (depth i + 1) was accepted, over the steps
   whose draft reached that depth;
 - tokens_per_forward = generated tokens / target forwards (1.0 for plain decoding).
+
+Pure Python, outside pipeline.reference: the reference engine counts with it, and so do the serving metrics, which
+the trtllm repository's BLS imports without torch or the reference engine (tests/test_layout.py).
 """
 
 from __future__ import annotations
