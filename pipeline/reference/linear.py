@@ -66,8 +66,8 @@ def wide_layout(weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def dense_linear_op():
-    """`torch.ops.specdeploy.dense_linear` (one-row GEMVs on every thread, F.linear's bits) where the fused layers'
-    library builds (csrc/fused_layers.cpp), else None."""
+    """`torch.ops.specdeploy.dense_linear` (one-row GEMVs on every thread, F.linear's bits on one thread) where the
+    fused layers' library builds (csrc/fused_layers.cpp), else None."""
     from pipeline.reference import fused_layers  # it imports this module
 
     return torch.ops.specdeploy.dense_linear if cpp_ops.loaded(fused_layers.BUILD) else None
@@ -77,8 +77,8 @@ class DenseLinear:
     """x @ weight.T (+ bias) on the compute dtype; float32 calls of several rows on oneDNN's prepacked GEMM.
 
     One row (a decode step, and every row of exact mode's row-by-row calls) runs `F.linear` (MKL) on
-    the wide layout, on every thread for a float32 weight of ONE_ROW_SPLIT_BYTES or more (`dense_linear`: the
-    same bits); float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
+    the wide layout, on every thread for a float32 weight of ONE_ROW_SPLIT_BYTES or more (`dense_linear`: one
+    thread's bits, whatever the thread count); float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
     oneDNN's GEMM on weights packed once for ONEDNN_ROW_HINT rows: 2-2.7x faster than MKL for 4-16
     rows on SmolLM2's shapes, but slower for one row (`make bench-kernels`, docs/engine.md). Prefill
     stays on MKL: oneDNN's sums drift up to 3e-4 from transformers' logits over SmolLM2's 30 layers

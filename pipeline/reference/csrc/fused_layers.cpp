@@ -233,9 +233,10 @@ void add_(at::Tensor& x, const at::Tensor& y) {
 
 constexpr int64_t SPLIT_ALIGN = 16;  // output channels per 64 bytes: every part starts on a cache line
 
-// x [R, in] @ w [out, in]^T (+ bias) -> [R, out], bit for bit at::linear's result. MKL runs a one-row GEMV on one
-// thread whatever torch's thread count (a 4096 x 128 output layer 50-64 us, SmolLM2's 49152 x 576 one 6.8-10 ms on
-// one thread or two), so for one row and a weight of split_min_bytes or more (linear.py's ONE_ROW_SPLIT_BYTES) the
+// x [R, in] @ w [out, in]^T (+ bias) -> [R, out], bit for bit at::linear's result on one thread. MKL runs a one-row
+// GEMV on one thread whatever torch's thread count on the AMD hosts (a 4096 x 128 output layer 50-64 us, SmolLM2's
+// 49152 x 576 one 6.8-10 ms on one thread or two; on an Intel AMX host it split a 300 x 1000 weight's sums over two
+// threads, other bits), so for one row and a weight of split_min_bytes or more (linear.py's ONE_ROW_SPLIT_BYTES) the
 // output channels are split over torch's threads, each part the same MKL GEMV on its channels (a channel's sum does
 // not depend on the others: 38 us and 3.4 ms on two threads, docs/benchmarks.md). Several rows, or a call inside a
 // parallel region, run at::linear as it is.
