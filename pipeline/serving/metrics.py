@@ -51,13 +51,14 @@ class SpecMetrics:
         self.acceptance_length = self.families[ACCEPTANCE_LENGTH_METRIC].Metric(labels=labels, buckets=buckets)
         self.per_position = [self.families[ACCEPTED_PER_POSITION_METRIC].Metric(labels={**labels, "position": str(i + 1)})
                              for i in range(max(max_draft_len, 1))]
-        self._rounds, self._lengths, self._sent = SpecStats(), [], time.monotonic()  # rounds not sent yet (`round`)
+        # speculation not sent yet (`round`, `speculated`): totals, and each round's accepted tokens for the histogram
+        self._unsent, self._lengths, self._sent = SpecStats(), [], time.monotonic()
 
     def round(self, proposed: int, accepted: int) -> None:
         """Count one verified round, sent with the others within METRICS_FLUSH_S or when no request is in flight
         (`set_in_flight`): each update is a round trip to the server process, made in the BLS's event loop, and a
         round's 4 + accepted of them held every request of this instance."""
-        self._rounds.record_step(proposed, proposed, accepted, accepted + 1)
+        self._unsent.record_step(proposed, proposed, accepted, accepted + 1)
         self._lengths.append(accepted)
         if time.monotonic() - self._sent >= METRICS_FLUSH_S:
             self.flush()
@@ -69,13 +70,23 @@ class SpecMetrics:
         if requests == 0:
             self.flush()
 
+    def speculated(self, stats: SpecStats) -> None:
+        """Count a reference engine's finished request's speculation (its rounds are the steps that verified a draft;
+        totals, so the acceptance-length histogram stays), sent with the engine's counters (EngineMetrics.flush)."""
+        self._unsent.add(stats)
+
     def flush(self) -> None:
-        """Send the rounds counted since the last flush."""
-        if self._rounds.spec_steps:
-            self.record_request(self._rounds)
+        """Send the speculation counted since the last flush (each update a round trip: zero counts are not sent)."""
+        if self._unsent.spec_steps:
+            self.rounds.increment(self._unsent.spec_steps)
+            self.draft_tokens.increment(self._unsent.draft_tokens)
+            self.accepted_tokens.increment(self._unsent.accepted_tokens)
+            for counter, accepted in zip(self.per_position, self._unsent.accepted_by_position):
+                if accepted:
+                    counter.increment(accepted)
             for accepted in self._lengths:
                 self.acceptance_length.observe(accepted)
-        self._rounds, self._lengths, self._sent = SpecStats(), [], time.monotonic()
+        self._unsent, self._lengths, self._sent = SpecStats(), [], time.monotonic()
 
     def count(self, counts) -> None:
         """Add speculation counted elsewhere (iteration_stats.SpecDecodeCounts: the LLM API's iteration stats,
@@ -83,17 +94,6 @@ class SpecMetrics:
         self.rounds.increment(counts.rounds)
         self.draft_tokens.increment(counts.drafted)
         self.accepted_tokens.increment(counts.accepted)
-
-    def record_request(self, stats) -> None:
-        """Add finished requests' speculation inside a reference engine (pipeline.spec_stats.SpecStats, one
-        request's or several summed: its rounds are the steps that verified a draft; totals, so the acceptance-length
-        histogram stays)."""
-        self.rounds.increment(stats.spec_steps)
-        self.draft_tokens.increment(stats.draft_tokens)
-        self.accepted_tokens.increment(stats.accepted_tokens)
-        for counter, accepted in zip(self.per_position, stats.accepted_by_position):
-            if accepted:  # each update is a round trip to the server process
-                counter.increment(accepted)
 
     def fallback(self) -> None:
         """Count a request that lost its draft model."""
@@ -122,9 +122,8 @@ class EngineMetrics:
                          pb_utils.MetricFamily(ENGINE_STEPS_METRIC, "Scheduler steps of the reference engine", counter)]
         self.seconds = self.families[0].Metric(labels=labels)
         self.steps = self.families[1].Metric(labels=labels)
-        self.spec = spec
-        self._seconds, self._steps, self._speculation = 0.0, 0, SpecStats()  # not sent yet
-        self._sent = time.monotonic()
+        self.spec = spec  # its finished requests' speculation (SpecMetrics.speculated), sent with the steps
+        self._seconds, self._steps, self._sent = 0.0, 0, time.monotonic()  # not sent yet
 
     def step(self, seconds: float) -> None:
         """Count one step (sent with the others within METRICS_FLUSH_S)."""
@@ -133,16 +132,11 @@ class EngineMetrics:
         if time.monotonic() - self._sent >= METRICS_FLUSH_S:
             self.flush()
 
-    def speculated(self, stats: SpecStats) -> None:
-        """Count a finished request's speculation (pipeline.spec_stats.SpecStats), sent with the steps."""
-        self._speculation.add(stats)
-
     def flush(self) -> None:
         """Send what was counted since the last flush."""
         if self._steps:
             self.seconds.increment(self._seconds)
             self.steps.increment(self._steps)
-        if self.spec is not None and self._speculation.draft_tokens:
-            self.spec.record_request(self._speculation)
-        self._seconds, self._steps, self._speculation = 0.0, 0, SpecStats()
-        self._sent = time.monotonic()
+        if self.spec is not None:
+            self.spec.flush()
+        self._seconds, self._steps, self._sent = 0.0, 0, time.monotonic()

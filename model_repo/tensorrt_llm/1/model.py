@@ -42,7 +42,8 @@ class TritonPythonModel:
                 if self.engine.proposer is not None else None)
         self.metrics = EngineMetrics(args["model_name"], spec)
         self.engine.on_step, self.engine.on_idle = self.metrics.step, self.metrics.flush
-        self.engine.on_speculated = self.metrics.speculated
+        if spec is not None:
+            self.engine.on_speculated = spec.speculated
         self.engine.on_decode_threads = lambda threads: pb_utils.Logger.log_info(
             f"{args['model_name']}: small forwards on {threads} thread(s), chosen before the first step")
         self.vocab_size = self.engine.model.vocab_size
