@@ -4,9 +4,11 @@ kernel (decode steps and short chains; a prefill keeps the eager or compiled pat
 - Dense float32 models (drafts): a draft exists to be cheap, but on these CPUs a draft step of a 1-layer, 128-wide
   draft cost 0.42 ms, almost half of its 6-layer target's step (0.93 ms): nearly all of it op overhead, 20-30 torch
   calls per layer at 2-40 us each (the RMSNorm alone is five ATen ops) around a few microseconds of arithmetic.
-  `FusedDenseLayers` runs every layer and the final norm in one op: the GEMMs on at::linear, as the eager layers'
-  F.linear, the attention on the row attention kernel, the rest plain loops. Its results are close to the eager
-  layers', not bit-equal (its RMSNorm sums in row order), so it is for drafts, whose tokens are proposals the target
+  `FusedDenseLayers` runs every layer and the final norm in one op: the GEMMs of a few rows on small weights on the
+  op's own GEMVs (at::linear's dispatch and MKL's entry cost 3-8 us a call around a few microseconds of arithmetic),
+  larger ones on at::linear as the eager layers' F.linear, the attention on the row attention kernel, the rest plain
+  loops. Its results are close to the eager layers', not bit-equal (its GEMVs and RMSNorm sum in their own order),
+  so it is for drafts, whose tokens are proposals the target
   verifies: `DraftModelProposer` switches it on. Dense targets keep their eager layers, whose bits the exactness
   tests and the transformers comparisons pin. `greedy_chains` runs a whole greedy draft chain (every forward, the
   output layer and the argmax) in one op call: the trained pair's draft proposed 4 tokens in 1.1-1.3 ms forward by
@@ -98,16 +100,13 @@ class FusedDenseLayers:
         The whole call runs on the model's decode threads, as its forwards of up to DECODE_ROWS rows do, a prompt's
         feed included (the model's own forward of more rows would run on torch's thread count)."""
         m, head = self.model, self.lm_head
-        widest = max(len(table) for table in block_tables)
-        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.long)
-        flat_feeds = torch.tensor([t for feed in feeds for t in feed], dtype=torch.long)
-        feed_counts = torch.tensor([len(feed) for feed in feeds], dtype=torch.long)
         bf16 = head.kernel.packed if isinstance(head, BFloat16Weights) else torch.empty(0)
         packed = head.packed if isinstance(head, DenseLinear) else None  # its oneDNN weight for 2-16 rows
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
-                flat_feeds, feed_counts, torch.tensor(cached, dtype=torch.long), torch.tensor(counts, dtype=torch.long),
-                tables, kv.block_size, m.embed, head.weight, bf16, torch.empty(0) if packed is None else packed,
+                [t for feed in feeds for t in feed], [len(feed) for feed in feeds], cached, counts,
+                [b for table in block_tables for b in table], [len(table) for table in block_tables],
+                kv.block_size, m.embed, head.weight, bf16, torch.empty(0) if packed is None else packed,
                 ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
                 m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
                 m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,

@@ -3,9 +3,9 @@
 //   20-30 small ops per layer, 2-40 us each from Python (the RMSNorm alone is five ATen ops), for arithmetic that
 //   takes a few microseconds at a draft's widths. Each layer is RMSNorm -> qkv GEMM (+ bias) -> RoPE -> KV write and
 //   row attention -> o GEMM -> residual -> RMSNorm -> gate_up GEMM -> SiLU * up -> down GEMM -> residual, then the
-//   final RMSNorm; the GEMMs give at::linear's results (the eager path's F.linear; `linear` splits one-row GEMVs over
-//   the threads). The results are close to the eager layers', not bit-equal (the RMSNorm sums in row order;
-//   tests/test_fused_layers.py).
+//   final RMSNorm; the GEMMs of up to 4 rows on a small weight run the project's GEMVs (`draft_linear`), the others
+//   at::linear (the eager path's F.linear; `linear` splits one-row GEMVs over the threads). The results are close
+//   to the eager layers', not bit-equal (the GEMVs and the RMSNorm sum in their own order; tests/test_fused_layers.py).
 // - `int8_sq_layers`: every layer of an int8_sq model (W8A8, per-token activations): the same layer with each GEMM
 //   input multiplied by its SmoothQuant 1/smoother and divided by its row's max |x| (`scale_rows`), the GEMM the
 //   project's int8 kernel named by `gemm` (pipeline/reference/int8_grid_gemm.py), its output multiplied back by the
@@ -262,6 +262,70 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return out;
 }
 
+constexpr int64_t GEMV_MAX_ROWS = 4;  // dense_layers' GEMMs of up to this many rows run `draft_linear`'s GEMV
+constexpr int64_t GEMV_BLOCK = 64;    // output channels a wide-layout GEMV sums at once (four 16-lane registers)
+
+// One row x [K] times w [N, K] stored row-major (a channel's weights contiguous) -> out [N]: four channels at a time,
+// each a vectorized sum over k (omp simd: the lanes' partial sums, then across them, in an order fixed per build).
+ROW_CLONES void gemv_rows_major(const float* x, int64_t K, const float* w, int64_t N, float* out) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < K; ++k) s0 += x[k] * w0[k], s1 += x[k] * w1[k], s2 += x[k] * w2[k], s3 += x[k] * w3[k];
+    out[n] = s0, out[n + 1] = s1, out[n + 2] = s2, out[n + 3] = s3;
+  }
+  for (; n < N; ++n) {
+    const float* wn = w + n * K;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += x[k] * wn[k];
+    out[n] = s;
+  }
+}
+
+// The same for w stored [K, N] (linear.py's wide layout: an input's weights for every channel contiguous): GEMV_BLOCK
+// channels at a time, each channel's sum in k order.
+ROW_CLONES void gemv_wide(const float* x, int64_t K, const float* w, int64_t N, float* out) {
+  for (int64_t b = 0; b < N; b += GEMV_BLOCK) {
+    const int64_t m = std::min(GEMV_BLOCK, N - b);
+    float acc[GEMV_BLOCK] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = x[k], *wk = w + k * N + b;
+#pragma omp simd
+      for (int64_t j = 0; j < m; ++j) acc[j] += a * wk[j];
+    }
+    std::memcpy(out + b, acc, m * sizeof(float));
+  }
+}
+
+// x [R, in] @ w [out, in]^T (+ bias) -> [R, out] for the draft's layers (dense_layers): up to GEMV_MAX_ROWS rows
+// and a weight below split_min_bytes (in the caches: a small draft's) run the GEMVs above on one thread, on w as it is
+// stored (row-major or wide layout); anything else runs `linear`. A draft step's four at::linear calls cost 3-8 us
+// each around a few microseconds of arithmetic (the ATen dispatch, the transposed views, MKL's entry); the GEMVs'
+// sums are in another order than MKL's (close, not bit-equal).
+at::Tensor draft_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t split_min_bytes) {
+  const int64_t R = x.size(0), N = w.size(0), K = w.size(1);
+  const bool rows_major = w.stride(1) == 1 && w.stride(0) == K, wide = w.stride(0) == 1 && w.stride(1) == N;
+  if (R > GEMV_MAX_ROWS || w.numel() * w.element_size() >= split_min_bytes || !(rows_major || wide) ||
+      !x.is_contiguous())
+    return linear(x, w, bias, split_min_bytes);
+  auto out = at::empty({R, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    if (rows_major) gemv_rows_major(xp + r * K, K, wp, N, op + r * N);
+    else gemv_wide(xp + r * K, K, wp, N, op + r * N);
+  if (bias) {
+    const float* bp = bias->data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t n = 0; n < N; ++n) op[r * N + n] += bp[n];
+  }
+  return out;
+}
+
 // write_and_attend(q, k_new, v_new, new_slots, k, v, slots, starts, lengths, scale) -> [T, H * D]
 using AttendSignature = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                    at::Tensor, at::Tensor, double);
@@ -302,14 +366,14 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * TENSORS_PER_LAYER;
     const std::optional<at::Tensor> bias = w[3].numel() ? std::optional<at::Tensor>(w[3]) : std::nullopt;
-    const at::Tensor qkv = linear(rms_norm(x, w[0], eps), w[2], bias, split_min_bytes);
+    const at::Tensor qkv = draft_linear(rms_norm(x, w[0], eps), w[2], bias, split_min_bytes);
     at::Tensor q, kn, vn;
     rope_split(qkv, cos, sin, heads, kv_heads, q, kn, vn);
     at::Tensor attn = attend.call(q, kn, vn, new_slots, k.select(0, l), v.select(0, l), slots, starts, lengths,
                                   scale);  // [T, H * D]
-    add_(x, linear(attn, w[4], std::nullopt, split_min_bytes));
-    add_(x, linear(silu_mul(linear(rms_norm(x, w[1], eps), w[5], std::nullopt, split_min_bytes)), w[6], std::nullopt,
-                   split_min_bytes));
+    add_(x, draft_linear(attn, w[4], std::nullopt, split_min_bytes));
+    add_(x, draft_linear(silu_mul(draft_linear(rms_norm(x, w[1], eps), w[5], std::nullopt, split_min_bytes)), w[6],
+                         std::nullopt, split_min_bytes));
   }
   return rms_norm(x, final_norm, eps);
 }
@@ -340,6 +404,29 @@ at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at:
   return rows == padded_rows ? stack[0].toTensor().narrow(0, 0, rows) : stack[0].toTensor();
 }
 
+// A view of `values` as an int64 tensor (no copy: valid while `values` is unchanged)
+at::Tensor long_view(const std::vector<int64_t>& values) {
+  return at::from_blob(const_cast<int64_t*>(values.data()), {int64_t(values.size())}, at::kLong);
+}
+
+// table [n, ...] -> its rows at `indices` [indices.size(), ...]: for a contiguous table, index_select without an index
+// tensor and its dispatch (a draft forward gathered its embeddings, cos and sin in three index_select calls of about
+// 6 us each); another layout (a tied embedding in linear.py's wide layout) runs index_select.
+at::Tensor gather_rows(const at::Tensor& table, const std::vector<int64_t>& indices, const char* name) {
+  if (!table.is_contiguous()) return table.index_select(0, long_view(indices));
+  auto sizes = table.sizes().vec();
+  const int64_t n = sizes[0], bytes = table.numel() / std::max<int64_t>(n, 1) * table.element_size();
+  sizes[0] = int64_t(indices.size());
+  auto out = at::empty(sizes, table.options());
+  const char* src = static_cast<const char*>(table.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (size_t i = 0; i < indices.size(); ++i) {
+    TORCH_CHECK(indices[i] >= 0 && indices[i] < n, name, ": index ", indices[i], " out of range [0, ", n, ")");
+    std::memcpy(dst + i * bytes, src + indices[i] * bytes, bytes);
+  }
+  return out;
+}
+
 // The plan of a forward on the row attention kernel, as _AttentionPlan.for_row_attention builds it in Python: the rows'
 // tokens and positions, the cache slots their KV goes to, and each row's keys (its sequence's slots from starts[t],
 // lengths[t] of them: up to its own). `add` appends `rows` rows of one sequence from position `first`, its block
@@ -365,9 +452,20 @@ struct RowPlan {
   void clear() {
     for (auto* list : {&tokens, &positions, &new_slots, &key_slots, &starts, &lengths}) list->clear();
   }
+
+  // The forward's inputs: the tokens' embeddings [T, hidden], their positions' cos and sin [T, 1, D], and views of
+  // the index lists (valid while the plan is unchanged)
+  struct Inputs {
+    at::Tensor x, cos, sin, new_slots, key_slots, starts, lengths;
+  };
+  Inputs inputs(const at::Tensor& embed, const at::Tensor& rope_cos, const at::Tensor& rope_signed_sin) const {
+    return {gather_rows(embed, tokens, "embed (a token id)"),
+            gather_rows(rope_cos, positions, "rope_cos (a position)").unsqueeze(1),
+            gather_rows(rope_signed_sin, positions, "rope_signed_sin (a position)").unsqueeze(1),
+            long_view(new_slots), long_view(key_slots), long_view(starts), long_view(lengths)};
+  }
 };
 
-at::Tensor longs(const std::vector<int64_t>& values) { return at::tensor(values, at::kLong); }
 
 // Greedy draft chains of a dense float32 model (a draft) in one call. Request b's first forward row set is its feed
 // (feed_counts[b] tokens of the flat `feed`: the committed tokens its cache lacks, from position cached[b]); each
@@ -375,38 +473,38 @@ at::Tensor longs(const std::vector<int64_t>& values) { return at::tensor(values,
 // rows of every request still short, then the output layer (`output_layer`, as the eager path runs it) on each
 // request's last row, and the argmax of those logits is its next draft token. From Python every draft forward paid
 // about 0.1 ms in its plan's index tensors and op calls around 0.12 ms of arithmetic (a 1-layer, 128-wide draft).
-// block_tables [B, blocks]: each request's cache blocks, enough for cached + feed + counts - 1 tokens (padding past
-// them is never read). greedy: the op that takes the logits' argmax (specdeploy::greedy_tokens, the same index as
-// at::argmax; empty: at::argmax). -> drafts [B, max counts] int64, -1 past a request's count.
-at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tensor cached, at::Tensor counts,
-                               at::Tensor block_tables, int64_t block_size, at::Tensor embed, at::Tensor lm_head,
-                               at::Tensor lm_head_bf16, at::Tensor lm_head_packed, int64_t packed_min_rows,
-                               int64_t packed_max_rows, at::Tensor rope_cos, at::Tensor rope_signed_sin,
-                               std::vector<at::Tensor> weights,
-                               at::Tensor k, at::Tensor v, at::Tensor final_norm, int64_t heads, int64_t kv_heads,
-                               double eps, double scale, std::string attention, int64_t split_min_bytes,
-                               std::string greedy) {
-  const int64_t B = counts.numel(), blocks = block_tables.size(1), positions = rope_cos.size(0);
+// tables: every request's cache blocks one after another (request b's table_lengths[b] of them, enough for cached +
+// feed + counts - 1 tokens). The lists come as int[] (the call made five index tensors in Python, 15-30 us).
+// greedy: the op that takes the logits' argmax (specdeploy::greedy_tokens, the same index as at::argmax; empty:
+// at::argmax). -> drafts [B, max counts] int64, -1 past a request's count.
+at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> feed_counts, std::vector<int64_t> cached,
+                               std::vector<int64_t> counts, std::vector<int64_t> tables,
+                               std::vector<int64_t> table_lengths, int64_t block_size, at::Tensor embed,
+                               at::Tensor lm_head, at::Tensor lm_head_bf16, at::Tensor lm_head_packed,
+                               int64_t packed_min_rows, int64_t packed_max_rows, at::Tensor rope_cos,
+                               at::Tensor rope_signed_sin, std::vector<at::Tensor> weights, at::Tensor k, at::Tensor v,
+                               at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps, double scale,
+                               std::string attention, int64_t split_min_bytes, std::string greedy) {
+  const int64_t B = counts.size(), positions = rope_cos.size(0);
   std::optional<c10::TypedOperatorHandle<at::Tensor(at::Tensor)>> argmax_op;  // greedy's op (empty: at::argmax)
   if (!greedy.empty()) argmax_op = find_op(greedy).typed<at::Tensor(at::Tensor)>();
-  for (const at::Tensor* t : {&feed, &feed_counts, &cached, &counts, &block_tables})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "dense_greedy_chains: feed, feed_counts, cached, "
-                "counts and block_tables must be contiguous int64");
-  TORCH_CHECK(feed_counts.numel() == B && cached.numel() == B && block_tables.dim() == 2 && block_tables.size(0) == B,
-              "dense_greedy_chains: feed_counts, cached and counts [B], block_tables [B, blocks]");
-  const int64_t *fed = feed.data_ptr<int64_t>(), *fc = feed_counts.data_ptr<int64_t>();
-  const int64_t *c0 = cached.data_ptr<int64_t>(), *n = counts.data_ptr<int64_t>(), *bt = block_tables.data_ptr<int64_t>();
-  int64_t total = 0, longest = 0;
+  TORCH_CHECK(int64_t(feed_counts.size()) == B && int64_t(cached.size()) == B && int64_t(table_lengths.size()) == B,
+              "dense_greedy_chains: feed_counts, cached, counts and table_lengths, one per request");
+  const int64_t *fed = feed.data(), *fc = feed_counts.data(), *c0 = cached.data(), *n = counts.data();
+  std::vector<int64_t> table_start(B);  // request b's blocks: tables[table_start[b] ..][: table_lengths[b]]
+  int64_t total = 0, longest = 0, first_block = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(fc[b] >= 1 && n[b] >= 1 && c0[b] >= 0, "dense_greedy_chains: every request feeds a token and wants one");
-    TORCH_CHECK((c0[b] + fc[b] + n[b] - 2) / block_size < blocks, "dense_greedy_chains: request ", b, "'s blocks "
-                "hold fewer than its cached + feed + counts - 1 tokens");
+    TORCH_CHECK((c0[b] + fc[b] + n[b] - 2) / block_size < table_lengths[b], "dense_greedy_chains: request ", b,
+                "'s blocks hold fewer than its cached + feed + counts - 1 tokens");
     TORCH_CHECK(c0[b] + fc[b] + n[b] - 2 < positions, "dense_greedy_chains: request ", b, " runs past position ",
                 positions - 1, " (max_position_embeddings)");
+    table_start[b] = first_block, first_block += table_lengths[b];
     total += fc[b], longest = std::max(longest, n[b]);
   }
-  TORCH_CHECK(feed.numel() == total, "dense_greedy_chains: feed holds sum(feed_counts) tokens");
-  auto drafts = at::full({B, longest}, -1, feed.options());
+  TORCH_CHECK(int64_t(feed.size()) == total && int64_t(tables.size()) == first_block,
+              "dense_greedy_chains: feed holds sum(feed_counts) tokens, tables sum(table_lengths) blocks");
+  auto drafts = at::full({B, longest}, -1, at::kLong);
   int64_t* dp = drafts.data_ptr<int64_t>();
   RowPlan plan;
   std::vector<int64_t> last_rows, row_request;
@@ -415,19 +513,16 @@ at::Tensor dense_greedy_chains(at::Tensor feed, at::Tensor feed_counts, at::Tens
     for (int64_t b = 0, offset = 0; b < B; offset += fc[b], ++b) {
       if (n[b] <= s) continue;
       const int64_t first = s == 0 ? c0[b] : c0[b] + fc[b] - 1 + s, rows = s == 0 ? fc[b] : 1;
-      plan.add(bt + b * blocks, first, rows, block_size,
+      plan.add(tables.data() + table_start[b], first, rows, block_size,
                [&](int64_t r) { return s == 0 ? fed[offset + r] : dp[b * longest + s - 1]; });
       last_rows.push_back(int64_t(plan.tokens.size()) - 1);
       row_request.push_back(b);
     }
-    const at::Tensor at_pos = longs(plan.positions);
-    const at::Tensor hidden = dense_layers(embed.index_select(0, longs(plan.tokens)),
-                                           rope_cos.index_select(0, at_pos).unsqueeze(1),
-                                           rope_signed_sin.index_select(0, at_pos).unsqueeze(1), weights, k, v,
-                                           longs(plan.new_slots), longs(plan.key_slots), longs(plan.starts),
-                                           longs(plan.lengths), final_norm, heads, kv_heads, eps, scale, attention,
+    const RowPlan::Inputs in = plan.inputs(embed, rope_cos, rope_signed_sin);
+    const at::Tensor hidden = dense_layers(in.x, in.cos, in.sin, weights, k, v, in.new_slots, in.key_slots, in.starts,
+                                           in.lengths, final_norm, heads, kv_heads, eps, scale, attention,
                                            split_min_bytes);  // [T, hidden]
-    const at::Tensor rows = last_rows.size() == plan.tokens.size() ? hidden : hidden.index_select(0, longs(last_rows));
+    const at::Tensor rows = last_rows.size() == plan.tokens.size() ? hidden : gather_rows(hidden, last_rows, "hidden");
     const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows,
                                            packed_max_rows, split_min_bytes);  // [requests, vocab]
     const at::Tensor next = argmax_op ? argmax_op->call(logits) : logits.argmax(-1);
@@ -711,12 +806,10 @@ at::Tensor int8_sq_chains(std::vector<int64_t> tokens, std::vector<int64_t> coun
     t += counts[i], b += used;
   }
   TORCH_CHECK(t == tokens.size() && b == blocks.size(), "int8_sq_chains: tokens or blocks left over");
-  const at::Tensor at_pos = longs(plan.positions);
-  return int8_sq_layers(embed.index_select(0, longs(plan.tokens)), rope_cos.index_select(0, at_pos).unsqueeze(1),
-                        rope_signed_sin.index_select(0, at_pos).unsqueeze(1), std::move(weights), k, v,
-                        longs(plan.new_slots), longs(plan.key_slots), longs(plan.starts), longs(plan.lengths),
-                        final_norm, heads, kv_heads, eps, scale, std::move(attention), std::move(gemm), step,
-                        zero_point, amx_min_rows);
+  const RowPlan::Inputs in = plan.inputs(embed, rope_cos, rope_signed_sin);
+  return int8_sq_layers(in.x, in.cos, in.sin, std::move(weights), k, v, in.new_slots, in.key_slots, in.starts,
+                        in.lengths, final_norm, heads, kv_heads, eps, scale, std::move(attention), std::move(gemm),
+                        step, zero_point, amx_min_rows);
 }
 
 // The op: `linear` for DenseLinear's one-row calls (pipeline/reference/linear.py)
@@ -731,11 +824,11 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, int split_min_bytes) -> Tensor", &dense_layers);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int split_min_bytes) -> Tensor", &dense_linear);
-  m.def("dense_greedy_chains(Tensor feed, Tensor feed_counts, Tensor cached, Tensor counts, Tensor block_tables, "
-        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, Tensor lm_head_packed, "
-        "int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, Tensor[] weights, "
-        "Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, float scale, str attention, "
-        "int split_min_bytes, str greedy) -> Tensor", &dense_greedy_chains);
+  m.def("dense_greedy_chains(int[] feed, int[] feed_counts, int[] cached, int[] counts, int[] tables, "
+        "int[] table_lengths, int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, "
+        "Tensor lm_head_packed, int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, "
+        "Tensor[] weights, Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, "
+        "float scale, str attention, int split_min_bytes, str greedy) -> Tensor", &dense_greedy_chains);
   m.def("int8_sq_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, str gemm, float step, int zero_point, int amx_min_rows) -> Tensor",
