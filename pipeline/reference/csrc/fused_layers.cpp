@@ -277,7 +277,8 @@ constexpr int64_t GEMV_MAX_ROWS = 4;  // dense_layers' GEMMs of up to this many 
 constexpr int64_t GEMV_BLOCK = 64;    // output channels a wide-layout GEMV sums at once (four 16-lane registers)
 
 // One row x [K] times w [N, K] stored row-major (a channel's weights contiguous) -> out [N]: four channels at a time,
-// each a vectorized sum over k (omp simd: the lanes' partial sums, then across them, in an order fixed per build).
+// each a vectorized sum over k (omp simd: the lanes' partial sums, then across them; the order follows the clone's
+// vector width, which a draft's proposals may: the target verifies them).
 ROW_CLONES void gemv_rows_major(const float* x, int64_t K, const float* w, int64_t N, float* out) {
   int64_t n = 0;
   for (; n + 4 <= N; n += 4) {
@@ -476,7 +477,6 @@ struct RowPlan {
             long_view(new_slots), long_view(key_slots), long_view(starts), long_view(lengths)};
   }
 };
-
 
 // Greedy draft chains of a dense float32 model (a draft) in one call. Request b's first forward row set is its feed
 // (feed_counts[b] tokens of the flat `feed`: the committed tokens its cache lacks, from position cached[b]); each
