@@ -99,17 +99,17 @@ class FusedDenseLayers:
         written to its blocks (block_tables[b], enough for cached + feed + counts - 1 tokens). Needs `self.lm_head`.
         The whole call runs on the model's decode threads, as its forwards of up to DECODE_ROWS rows do, a prompt's
         feed included (the model's own forward of more rows would run on torch's thread count)."""
-        m, head = self.model, self.lm_head
+        m, head, bs = self.model, self.lm_head, kv.block_size
         bf16 = head.kernel.packed if isinstance(head, BFloat16Weights) else torch.empty(0)
         packed = head.packed if isinstance(head, DenseLinear) else None  # its oneDNN weight for 2-16 rows
+        blocks = [b for feed, c, n, table in zip(feeds, cached, counts, block_tables)  # the blocks each chain writes
+                  for b in table[:-(-(c + len(feed) + n - 1) // bs)]]
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
-                [t for feed in feeds for t in feed], [len(feed) for feed in feeds], cached, counts,
-                [b for table in block_tables for b in table], [len(table) for table in block_tables],
-                kv.block_size, m.embed, head.weight, bf16, torch.empty(0) if packed is None else packed,
-                ONEDNN_ROWS.start, ONEDNN_ROWS.stop - 1,
-                m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm, m.num_heads, m.num_kv_heads,
-                m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,
+                [t for feed in feeds for t in feed], [len(feed) for feed in feeds], cached, counts, blocks, bs, m.embed,
+                head.weight, bf16, torch.empty(0) if packed is None else packed, ONEDNN_ROWS.start,
+                ONEDNN_ROWS.stop - 1, m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm,
+                m.num_heads, m.num_kv_heads, m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,
                 "" if greedy_tokens.kernel() is None else "specdeploy::greedy_tokens")  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 

@@ -78,8 +78,8 @@ class DenseLinear:
 
     One row (a decode step, and every row of exact mode's row-by-row calls) runs `F.linear` (MKL) on
     the wide layout, on every thread for a float32 weight of ONE_ROW_SPLIT_BYTES or more (`dense_linear`: one
-    thread's bits, whatever the thread count); float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode steps) run
-    oneDNN's GEMM on weights packed once for ONEDNN_ROW_HINT rows: 2-2.7x faster than MKL for 4-16
+    thread's bits, whatever the thread count); float32 calls of 2-16 rows (ONEDNN_ROWS: verifies, batched decode
+    steps) run oneDNN's GEMM on weights packed once for ONEDNN_ROW_HINT rows: 2-2.7x faster than MKL for 4-16
     rows on SmolLM2's shapes, but slower for one row (`make bench-kernels`, docs/engine.md). Prefill
     stays on MKL: oneDNN's sums drift up to 3e-4 from transformers' logits over SmolLM2's 30 layers
     (MKL's stay within the 1e-4 tests/test_model.py asks).

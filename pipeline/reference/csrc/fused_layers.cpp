@@ -484,13 +484,14 @@ struct RowPlan {
 // rows of every request still short, then the output layer (`output_layer`, as the eager path runs it) on each
 // request's last row, and the argmax of those logits is its next draft token. From Python every draft forward paid
 // about 0.1 ms in its plan's index tensors and op calls around 0.12 ms of arithmetic (a 1-layer, 128-wide draft).
-// tables: every request's cache blocks one after another (request b's table_lengths[b] of them, enough for cached +
-// feed + counts - 1 tokens). The lists come as int[] (the call made five index tensors in Python, 15-30 us).
+// blocks: every request's cache blocks one after another, as int8_sq_chains takes them: request b's first
+// ceil((cached + feed + counts - 1) / block_size), the blocks its chain writes. The lists come as int[] (the call made
+// five index tensors in Python, 15-30 us).
 // greedy: the op that takes the logits' argmax (specdeploy::greedy_tokens, the same index as at::argmax; empty:
 // at::argmax). -> drafts [B, max counts] int64, -1 past a request's count.
 at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> feed_counts, std::vector<int64_t> cached,
-                               std::vector<int64_t> counts, std::vector<int64_t> tables,
-                               std::vector<int64_t> table_lengths, int64_t block_size, at::Tensor embed,
+                               std::vector<int64_t> counts, std::vector<int64_t> blocks, int64_t block_size,
+                               at::Tensor embed,
                                at::Tensor lm_head, at::Tensor lm_head_bf16, at::Tensor lm_head_packed,
                                int64_t packed_min_rows, int64_t packed_max_rows, at::Tensor rope_cos,
                                at::Tensor rope_signed_sin, std::vector<at::Tensor> weights, at::Tensor k, at::Tensor v,
@@ -499,22 +500,23 @@ at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> f
   const int64_t B = counts.size(), positions = rope_cos.size(0);
   std::optional<c10::TypedOperatorHandle<at::Tensor(at::Tensor)>> argmax_op;  // greedy's op (empty: at::argmax)
   if (!greedy.empty()) argmax_op = find_op(greedy).typed<at::Tensor(at::Tensor)>();
-  TORCH_CHECK(int64_t(feed_counts.size()) == B && int64_t(cached.size()) == B && int64_t(table_lengths.size()) == B,
-              "dense_greedy_chains: feed_counts, cached, counts and table_lengths, one per request");
+  TORCH_CHECK(int64_t(feed_counts.size()) == B && int64_t(cached.size()) == B && block_size > 0,
+              "dense_greedy_chains: feed_counts, cached and counts, one per request");
   const int64_t *fed = feed.data(), *fc = feed_counts.data(), *c0 = cached.data(), *n = counts.data();
-  std::vector<int64_t> table_start(B);  // request b's blocks: tables[table_start[b] ..][: table_lengths[b]]
-  int64_t total = 0, longest = 0, first_block = 0;
+  std::vector<int64_t> first_block(B);  // request b's blocks: blocks[first_block[b] ..]
+  int64_t total = 0, longest = 0, taken = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(fc[b] >= 1 && n[b] >= 1 && c0[b] >= 0, "dense_greedy_chains: every request feeds a token and wants one");
-    TORCH_CHECK((c0[b] + fc[b] + n[b] - 2) / block_size < table_lengths[b], "dense_greedy_chains: request ", b,
-                "'s blocks hold fewer than its cached + feed + counts - 1 tokens");
     TORCH_CHECK(c0[b] + fc[b] + n[b] - 2 < positions, "dense_greedy_chains: request ", b, " runs past position ",
                 positions - 1, " (max_position_embeddings)");
-    table_start[b] = first_block, first_block += table_lengths[b];
+    const int64_t used = (c0[b] + fc[b] + n[b] - 1 + block_size - 1) / block_size;
+    TORCH_CHECK(taken + used <= int64_t(blocks.size()), "dense_greedy_chains: request ", b, "'s blocks hold fewer "
+                "than its cached + feed + counts - 1 tokens (", used, " blocks past those given)");
+    first_block[b] = taken, taken += used;
     total += fc[b], longest = std::max(longest, n[b]);
   }
-  TORCH_CHECK(int64_t(feed.size()) == total && int64_t(tables.size()) == first_block,
-              "dense_greedy_chains: feed holds sum(feed_counts) tokens, tables sum(table_lengths) blocks");
+  TORCH_CHECK(int64_t(feed.size()) == total && int64_t(blocks.size()) == taken,
+              "dense_greedy_chains: feed holds sum(feed_counts) tokens, blocks each request's used blocks and no more");
   auto drafts = at::full({B, longest}, -1, at::kLong);
   int64_t* dp = drafts.data_ptr<int64_t>();
   RowPlan plan;
@@ -524,7 +526,7 @@ at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> f
     for (int64_t b = 0, offset = 0; b < B; offset += fc[b], ++b) {
       if (n[b] <= s) continue;
       const int64_t first = s == 0 ? c0[b] : c0[b] + fc[b] - 1 + s, rows = s == 0 ? fc[b] : 1;
-      plan.add(tables.data() + table_start[b], first, rows, block_size,
+      plan.add(blocks.data() + first_block[b], first, rows, block_size,
                [&](int64_t r) { return s == 0 ? fed[offset + r] : dp[b * longest + s - 1]; });
       last_rows.push_back(int64_t(plan.tokens.size()) - 1);
       row_request.push_back(b);
@@ -835,8 +837,8 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "Tensor new_slots, Tensor slots, Tensor starts, Tensor lengths, Tensor final_norm, int heads, int kv_heads, "
         "float eps, float scale, str attention, int split_min_bytes) -> Tensor", &dense_layers);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int split_min_bytes) -> Tensor", &dense_linear);
-  m.def("dense_greedy_chains(int[] feed, int[] feed_counts, int[] cached, int[] counts, int[] tables, "
-        "int[] table_lengths, int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, "
+  m.def("dense_greedy_chains(int[] feed, int[] feed_counts, int[] cached, int[] counts, int[] blocks, "
+        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, "
         "Tensor lm_head_packed, int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, "
         "Tensor[] weights, Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, "
         "float scale, str attention, int split_min_bytes, str greedy) -> Tensor", &dense_greedy_chains);
