@@ -35,6 +35,11 @@ def acceptance_upper_bound(accepted: float, checked: float, risk: float) -> floa
     return high
 
 
+def chain_accepted(alpha: float, k: int) -> float:
+    """The accepted tokens a chain of k draft tokens brings on average when each position is accepted with alpha."""
+    return sum(alpha ** i for i in range(1, k + 1))
+
+
 def _bernoulli_kl(p: float, q: float) -> float:
     """KL(Bernoulli(p) || Bernoulli(q)) for 0 <= p <= q < 1."""
     return (p * math.log(p / q) if p > 0 else 0.0) + ((1 - p) * math.log((1 - p) / (1 - q)) if p < 1 else 0.0)
@@ -89,4 +94,4 @@ class ChainEvidence:
         if self.checked == 0:
             return math.inf
         alpha = acceptance_upper_bound(self.accepted, self.checked, risk)
-        return sum(n * sum(alpha ** i for i in range(1, k + 1)) for k, n in self.lengths.items())
+        return sum(n * chain_accepted(alpha, k) for k, n in self.lengths.items())

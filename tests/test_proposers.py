@@ -175,6 +175,23 @@ def test_policy_switch_off_uses_the_draft_token_cost_when_it_is_the_higher_bar()
     assert run_chains(free, accept=1, steps=8) == [4]
 
 
+def test_policy_slow_start_drafts_only_as_far_as_the_probes_acceptance_pays():
+    """A draft token costs 0.27 of a step in drafts of 4 and 0.38 in drafts of one (the weak trained-pair draft's
+    measured costs: a step's fixed part 0.15 and 0.23 a token). One lucky probe of two (first-position acceptance 1/2)
+    opens drafts of 3, the longest whose chain brings its cost under the chain model (0.875 tokens against 0.85; 4
+    would bring 0.94 against 1.08); a rejection there (1/3) goes back to probes. A draft whose first probe is accepted
+    drafts 4 at once."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.27),),
+                          one_token_costs=((1, 0.38),))
+    policy, asked = PolicyProposer(FixedProposer(), config), []
+    for accepted in (0, 1, 0):
+        [k] = ask(policy)
+        asked.append(k)
+        policy.update("r0", min(accepted, k), k)
+    assert asked + ask(policy) == [1, 1, 3, 1]
+    assert run_chains(PolicyProposer(FixedProposer(), config), accept=4, steps=1) == [4]
+
+
 def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
     """A draft token costs 0.6 of a step. The slow start probes with one draft token, and each probe stands for the
     draft of 4 it cut: after 2 probes rejected (2 positions checked, none accepted), a position's acceptance is at most
@@ -360,8 +377,9 @@ def test_policy_pools_the_running_requests_evidence_with_many_in_flight():
     speculate again; drafts accepted through their first token alone (28 %) keep speculating at batch 1 (bar 20 %)."""
     config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.2), (8, 0.5)))
     policy = PolicyProposer(FixedProposer(), config)
-    assert run_chains(policy, [4, 2, 1, 1, 1, 0, 0, 0], steps=1, n=8) == [4] * 8
-    assert run_chains(policy, [4, 2, 1, 1, 1, 0, 0, 0], steps=1, n=8) == [0] * 8  # pooled 14 of 40 (35 %) < 50 %
+    accept = [4, 2, 1, 1, 1, 1, 1, 0]  # 7 of 8 probes accepted: at 7/8 per position a chain of 4 pays at 0.5 a token
+    assert run_chains(policy, accept, steps=1, n=8) == [4] * 8
+    assert run_chains(policy, accept, steps=1, n=8) == [0] * 8  # pooled 18 of 40 (45 %) < 50 %
     for i in range(2, 8):
         policy.release(f"r{i}")  # r0 (5 of 5) and r1 (3 of 5) run on alone: bar 24 % at batch 2
     assert ask(policy, n=2) == [4, 4]

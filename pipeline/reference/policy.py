@@ -41,11 +41,15 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   accepted 56% (make bench-engine's 8 in flight, docs/benchmarks.md);
 - slow start: where a draft token has a cost, a pool that has not yet had a draft token accepted (REACH_EVIDENCE in
   the fading first-position evidence) drafts one token per chain (`slow_start_limit`). Under the early stop's model a
-  rejection at the first position is the same evidence at K=1 as at K, so such a probe stands for the draft of K it cut,
-  at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
-  3.2-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). The first accepted token lifts the limit
-  (growing one position per position accepted through held decent drafts below the K the break-even was measured at,
-  whose higher acceptance there then cleared that K's bar: the trained pair at K=4 switched off 2-3 steps later);
+  rejection at the first position is the same evidence at K=1 as at K, so such a probe stands for the draft of K it
+  cut, at one draft forward and one verify row instead of K: the weak draft's (acceptance 0, K=4) first 10 steps cost
+  3.2-5.1 ms more than plain's instead of 4.9-7.6 ms (docs/benchmarks.md). Once a token was accepted, chains are as
+  long as pays at the first position's acceptance alpha so far (the longest k <= K whose sum(alpha^i, i <= k) covers
+  its step's measured cost, `PolicyConfig.step_costs`; at K no limit), so one lucky probe no longer opens drafts of K:
+  the weak trained-pair draft (first-position acceptance 12%) had its second probe accepted and then drafted 4 tokens
+  for six steps before the early stop ended it, 5% of its 128 tokens' time. (Growing one position per position
+  accepted through held decent drafts below the K the break-even was measured at, whose higher acceptance there then
+  cleared that K's bar: the trained pair at K=4 switched off 2-3 steps later.)
 - batch gate (TensorRT-LLM's Drafter concurrency gate, `should_use_spec_decode`): when more
   than `max_batch_for_speculation` requests run, or when a draft token costs a whole step at the
   running batch size (break-even >= 1: no acceptance can pay), nobody speculates this step. The
@@ -67,7 +71,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pipeline.acceptance import ChainEvidence
+from pipeline.acceptance import ChainEvidence, chain_accepted
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.sequences import next_draft_len
 
@@ -275,12 +279,20 @@ class PolicyProposer:
         return len(self.position_proposed)
 
     def slow_start_limit(self, batch_size: int) -> int:
-        """The most draft tokens a chain may have under the slow start (see the module docstring): 1 where a draft token
-        has a cost at this batch size and the pool has not had one accepted (lately: the evidence fades, so a pool that
-        switched a draft off probes it again with one token), else no limit."""
-        if self.config.break_even(batch_size) > 0 and self.position_accepted[0] < REACH_EVIDENCE:
+        """The most draft tokens a chain may have under the slow start (see the module docstring), where a draft token
+        has a cost at this batch size: 1 until the pool has had one accepted (lately: the evidence fades, so a pool
+        that switched a draft off probes it again with one token), then the longest draft of at most K that pays at the
+        first position's pooled acceptance (1 if none, no limit at K); without a cost no limit."""
+        cfg, no_limit = self.config, len(self.position_accepted)
+        if cfg.break_even(batch_size) <= 0:
+            return no_limit
+        accepted, proposed = self.position_accepted[0], self.position_proposed[0]
+        if accepted < REACH_EVIDENCE:
             return 1
-        return len(self.position_accepted)
+        fixed, per_token = cfg.step_costs(batch_size)
+        k = max((k for k in range(2, cfg.num_draft_tokens + 1)
+                 if chain_accepted(accepted / proposed, k) >= fixed + per_token * k), default=1)
+        return no_limit if k == cfg.num_draft_tokens else k
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
