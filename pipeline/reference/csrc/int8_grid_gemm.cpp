@@ -159,7 +159,9 @@ void amx_group_rows(int64_t R, const uint8_t* xq, int64_t Kp, const int8_t* w, c
 void amx_configure(int64_t R) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) { config.rows[t] = uint8_t(t < 5 ? R : 16); config.colsb[t] = 64; }
-  _tile_loadconfig(&config);
+  // gcc 12's _tile_loadconfig declares a read of the config's first 8 bytes only, so the compiler may drop the stores
+  // to the rest (a prototype's ldtilecfg then loaded garbage: SIGSEGV, or no tiles: SIGILL); this asm reads all 64
+  asm volatile("ldtilecfg %0" : : "m"(config));
 }
 
 // Groups [g0, g1) of a call's output channels: xq [Mp, Kp] the rows rounded on the grid (Mp: M, or M padded to
