@@ -290,9 +290,9 @@ class PolicyProposer:
         if accepted < REACH_EVIDENCE:
             return 1
         fixed, per_token = cfg.step_costs(batch_size)
-        k = max((k for k in range(2, cfg.num_draft_tokens + 1)
-                 if chain_accepted(accepted / proposed, k) >= fixed + per_token * k), default=1)
-        return no_limit if k == cfg.num_draft_tokens else k
+        longest = max((k for k in range(2, cfg.num_draft_tokens + 1)
+                       if chain_accepted(accepted / proposed, k) >= fixed + per_token * k), default=1)
+        return no_limit if longest == cfg.num_draft_tokens else longest
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
