@@ -17,6 +17,7 @@ from pipeline.reference.checkpoint import dequantize_linear, load_engine, quanti
 from specbuild.convert import build_engine, convert_checkpoint
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
+from pipeline.reference.model import LlamaModel
 from pipeline.reference.linear import (OUTPUT_LAYER_THREADS, SCREEN_ROWS, DenseLinear, Float16Weights, Int8PerToken,
                                        Int8WeightOnly, ScreenedOutputLayer, intra_op_threads, output_layer_16bit,
                                        screen_gemm)
@@ -199,6 +200,17 @@ def test_int8_engines_load_int8_kernels(int8_engines, qformat, kernel_cls):
     fp32_body = sum(dense[k].numel() * 4 for k in dense if k.startswith("model.layers.") and k.endswith("_proj.weight"))
     int8_body = sum(lyr[k].nbytes for lyr in engine.model.layers for k in ("qkv", "o", "gate_up", "down"))
     assert int8_body < 0.3 * fp32_body  # int8 weights + per-channel scales: about a quarter of the fp32 bytes
+
+
+def test_embeddings_are_a_contiguous_table_and_16_bit_output_layers_keep_no_wide_copy(int8_engines, tiny_llama):
+    """Rows are gathered from a contiguous embedding table (a row of a tied head in linear.py's wide layout was a cache
+    line per value); an int8 engine's output layer runs on its own 16-bit copy, so its float32 head stays as loaded, no
+    second copy in the wide layout; a float32 model's output layer runs F.linear on the wide layout."""
+    int8 = LLMEngine.from_engine_dir(int8_engines["int8_sq"]).model
+    assert int8.embed.is_contiguous() and int8.lm_head.is_contiguous()
+    fp32 = LlamaModel.from_hf(tiny_llama)  # tied; vocab 512 > hidden: the wide layout
+    assert fp32.embed.is_contiguous() and not fp32.lm_head.is_contiguous()
+    assert torch.equal(fp32.embed, fp32.lm_head)
 
 
 def generate(engine_dir, requests, proposer=None, stagger=False):
