@@ -192,6 +192,29 @@ def test_policy_slow_start_drafts_only_as_far_as_the_probes_acceptance_pays():
     assert run_chains(PolicyProposer(FixedProposer(), config), accept=4, steps=1) == [4]
 
 
+def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts():
+    """The engine asks `skips_step` before it builds a step's proposal inputs: True where nobody drafts (the step done
+    there), else False and the next propose() finishes the step. A draft token costs 0.6 of a step: two probes
+    rejected, then the early stop. Stepped through the gate or through propose() alone, the policy asks the same
+    drafts and its evidence fades by the same steps (a step the gate begins fades it once, not twice)."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8, draft_token_costs=((1, 0.6),))
+    gated, plain = PolicyProposer(FixedProposer(), config), PolicyProposer(FixedProposer(), config)
+
+    def step(policy, gate):
+        if gate and policy.skips_step(["r0"], [1]):
+            return None  # nobody drafts: no inputs built, no propose()
+        [k] = ask(policy)
+        if k:
+            policy.update("r0", 0, k)
+        return k
+
+    asked = [step(gated, True) for _ in range(6)]
+    assert asked == [1, 1, None, None, None, None]
+    assert [step(plain, False) for _ in range(6)] == [1, 1, 0, 0, 0, 0]
+    assert gated.position_proposed == plain.position_proposed and gated.position_proposed[0] < 2  # faded 4 times
+    assert gated.requests.keys() == plain.requests.keys() == {"r0"}
+
+
 def test_policy_stops_a_hopeless_draft_before_its_window_is_full():
     """A draft token costs 0.6 of a step. The slow start probes with one draft token, and each probe stands for the
     draft of 4 it cut: after 2 probes rejected (2 positions checked, none accepted), a position's acceptance is at most

@@ -358,8 +358,11 @@ class LLMEngine:
         return _Scheduled(seq, remaining[:chunk]) if chunk > 0 else None
 
     def _propose(self, seqs: list[_Sequence]) -> list[Draft]:
-        """Drafts for running requests from the proposer (empty drafts when there is none)."""
-        if self.proposer is None or not seqs:
+        """Drafts for running requests from the proposer (empty drafts when there is none, or where its gate,
+        `skips_step` (the policy's), says nobody drafts this step: then no inputs are built)."""
+        gate = getattr(self.proposer, "skips_step", None)
+        if self.proposer is None or not seqs or (
+                gate is not None and gate([s.request.request_id for s in seqs], [s.num_generated for s in seqs])):
             return [Draft(token_ids=[]) for _ in seqs]
         inputs = []
         for seq in seqs:

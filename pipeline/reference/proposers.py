@@ -4,7 +4,9 @@ The engine calls, every decode step, `proposer.propose(inputs)` with one `Propos
 request, verifies the returned drafts in one target forward (`rejection_sampler.verify`), then
 calls `proposer.update(request_id, num_accepted, num_proposed)`; `release(request_id)` when a
 request leaves. A `Draft` with no tokens means "no speculation for this request this step": the
-engine then runs it as a plain decode row (verifying an empty draft is exactly plain decoding).
+engine then runs it as a plain decode row (verifying an empty draft is exactly plain decoding). A proposer with a
+`skips_step(request_ids, num_generated)` gate (PolicyProposer's) is asked first: where it says True the engine
+builds no inputs and every request runs plainly that step.
 
 - NgramProposer: prompt lookup, no model.
 - DraftModelProposer (draft_model.py): a small LlamaModel with its own KV cache.
