@@ -421,11 +421,13 @@ at::Tensor long_view(const std::vector<int64_t>& values) {
   return at::from_blob(const_cast<int64_t*>(values.data()), {int64_t(values.size())}, at::kLong);
 }
 
-// table [n, ...] -> its rows at `indices` [indices.size(), ...]: for a contiguous table, index_select without an index
-// tensor and its dispatch (a draft forward gathered its embeddings, cos and sin in three index_select calls of about
-// 6 us each); another layout (a tied embedding in linear.py's wide layout) runs index_select.
+// table [n, ...] (contiguous) -> its rows at `indices` [indices.size(), ...]: index_select without an index tensor
+// and its dispatch (a draft forward gathered its embeddings, cos and sin in three index_select calls of about 6 us
+// each). LlamaModel keeps its embedding and RoPE tables contiguous (a row of the wide layout was a cache line per
+// value).
 at::Tensor gather_rows(const at::Tensor& table, const std::vector<int64_t>& indices, const char* name) {
-  if (!table.is_contiguous()) return table.index_select(0, long_view(indices));
+  TORCH_CHECK(table.is_contiguous(), name, ": the table must be contiguous (LlamaModel.embed, rope_cos and "
+              "rope_signed_sin are)");
   auto sizes = table.sizes().vec();
   const int64_t n = sizes[0], bytes = table.numel() / std::max<int64_t>(n, 1) * table.element_size();
   sizes[0] = int64_t(indices.size());
