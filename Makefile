@@ -57,6 +57,7 @@ bench-lookup: venv models
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.
 # Both targets run from int8_sq engines (the default spec's qformat; the trained pair's is built here).
 bench-engine: venv models trained-pair
+	$(PY) -m pipeline engines examples/default.yaml >/dev/null
 	$(PY) -m pipeline repo examples/default.yaml >/dev/null
 	$(PY) -m pipeline engines examples/draft-target.yaml --set name=trained-int8 --set models.target.qformat=int8_sq \
 		--set models.target.checkpoint=../models/trained-pair/target --set models.draft.checkpoint=../models/trained-pair/draft >/dev/null

@@ -111,3 +111,15 @@ def test_the_report_prints_the_load_average_read_with_each_bandwidth():
     assert "read bandwidth GB/s" in header and "smollm2-draft 35.0 (34.0-60.0)" in header
     assert "1-minute load average (median and range, read with them): smollm2-draft 1.25 (0.50-2.00)" in header
     assert "Command: `python -m pipeline.apps.bench_engine` (`make bench-engine` builds the engines" in header
+
+
+def test_make_bench_engine_builds_the_default_engines_before_it_assembles_their_repository():
+    """On a fresh checkout `pipeline repo` refuses a spec whose engines were not built (it names `make engines`)."""
+    import pathlib
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commands = subprocess.run(["make", "-n", "bench-engine"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    step = {c.split(" -m pipeline ")[1].split()[0]: i for i, c in enumerate(commands)
+            if " -m pipeline " in c and "examples/default.yaml" in c}
+    assert step.get("engines", len(commands)) < step["repo"], commands
