@@ -278,8 +278,48 @@ inline __m256i first_lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+constexpr int PV_PAIRS = 3;  // pairs per value block: 3 x 4 accumulators, 3 weights and a value register
+
+// out[p][c0 * 8 ...] for C chunks of 8 from c0: P pairs' probabilities e[p][j] (j < len[p]) times the values, in
+// slot order from 0 by fmas, times the pair's inverse sum. The pairs share each value load: a KV head's values are
+// read once per C chunks for up to 3 pairs, where a pair at a time re-read them from L2 for each query head
+// (SmolLM2's 600 keys: 154 KB a KV head; half of a row's attention time, perf).
+template <int P, int C>
+void pv_block(const float* const* e, const int64_t* len, const float* inv_sum, const float* v, const int64_t* slots,
+              int64_t kv_stride, int64_t c0, float* const* out) {
+  int64_t shortest = len[0], longest = len[0];
+  for (int p = 1; p < P; ++p) shortest = std::min(shortest, len[p]), longest = std::max(longest, len[p]);
+  __m256 acc[P][C];
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[p][c] = _mm256_setzero_ps();
+  // key j's values into the pairs that take it (`takes(p)`)
+  auto add_key = [&](int64_t j, auto takes) {
+    const float* vj = v + slots[j] * kv_stride + c0 * 8;
+    __m256 w[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) w[p] = _mm256_broadcast_ss(e[p] + j);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256 vc = _mm256_loadu_ps(vj + c * 8);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p)
+        if (takes(p)) acc[p][c] = _mm256_fmadd_ps(w[p], vc, acc[p][c]);
+    }
+  };
+  // every pair takes keys [0, shortest): no per-pair test in that loop (the accumulators stay in registers)
+  for (int64_t j = 0; j < shortest; ++j) add_key(j, [](int) { return true; });
+  for (int64_t j = shortest; j < longest; ++j) add_key(j, [&](int p) { return j < len[p]; });  // the longer rows' last keys
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[p] + (c0 + c) * 8, _mm256_mul_ps(acc[p][c], _mm256_set1_ps(inv_sum[p])));
+}
+
 // As the AVX-512 kv_head: n (row, query head) pairs over one KV head, pair p over the keys at slots[0 : len[p]].
-// Scores 8 keys at a time (each block read once for every pair), then each pair's softmax, then its weighted values.
+// Scores 8 keys at a time (each block read once for every pair), then each pair's softmax, then the weighted values
+// (pv_block: up to 3 pairs share each value load).
 void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const* out, const float* k, const float* v,
              const int64_t* slots, int64_t kv_stride, int64_t D, float scale, float* s, int64_t s_stride, float*) {
   int64_t longest = 0;
@@ -308,11 +348,15 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
       const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
       const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
       const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-      _mm256_maskstore_ps(s + p * s_stride + j0, first_lanes(len[p] - j0), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+      // all 8 lanes: a row's scratch holds whole blocks, and the softmax reads only the pair's own keys (a masked
+      // store, vmaskmovps, is microcoded on AMD Zen: about 8% of a row's attention time)
+      _mm256_storeu_ps(s + p * s_stride + j0, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
     }
   }
+  std::vector<float*> sp(n);  // each pair's scores, then its softmax numerators
+  std::vector<float> inv_sum(n);
   for (int64_t p = 0; p < n; ++p) {
-    float* e = s + p * s_stride;
+    float* e = sp[p] = s + p * s_stride;
     const int64_t length = len[p];
     __m256 best = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < length; j += 8)
@@ -323,25 +367,25 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
     for (int64_t j = 0; j < length; j += 8) {
       const __m256i m = first_lanes(length - j);
       const __m256 x = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(e + j, m), top)), _mm256_castsi256_ps(m));
-      _mm256_maskstore_ps(e + j, m, x);
+      _mm256_storeu_ps(e + j, x);  // zeros past the pair's keys, inside its scratch
       sum = _mm256_add_ps(sum, x);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {  // 8 accumulators of 8 lanes: 64 of the head's dimensions
-      const int64_t cn = std::min<int64_t>(8, chunks - c0);
-      __m256 acc[8];
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < length; ++j) {
-        const float* vj = v + slots[j] * kv_stride + c0 * 8;
-        const __m256 w = _mm256_broadcast_ss(e + j);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c)
-          if (c < cn) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + c * 8), acc[c]);
+    inv_sum[p] = 1.0f / hsum8(sum);
+  }
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // weighted values, 4 chunks (or the last 2) of up to 3 pairs at a time
+    for (int64_t p0 = 0; p0 < n; p0 += PV_PAIRS) {
+      const int64_t pn = std::min<int64_t>(PV_PAIRS, n - p0);
+      const float* const* eo = sp.data() + p0;
+      float* const* oo = out + p0;
+      if (chunks - c0 >= 4) {
+        if (pn == 1) pv_block<1, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
+        else if (pn == 2) pv_block<2, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
+        else pv_block<3, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
+      } else {  // chunks is even (head_size a multiple of 16): 2 left
+        if (pn == 1) pv_block<1, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
+        else if (pn == 2) pv_block<2, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
+        else pv_block<3, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
       }
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c)
-        if (c < cn) _mm256_storeu_ps(out[p] + (c0 + c) * 8, _mm256_mul_ps(acc[c], inv));
     }
   }
 }
