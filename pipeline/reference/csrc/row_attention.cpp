@@ -310,11 +310,22 @@ void pv_block(const float* const* e, const int64_t* len, const float* inv_sum, c
   };
   // every pair takes keys [0, shortest): no per-pair test in that loop (the accumulators stay in registers)
   for (int64_t j = 0; j < shortest; ++j) add_key(j, [](int) { return true; });
-  for (int64_t j = shortest; j < longest; ++j) add_key(j, [&](int p) { return j < len[p]; });  // the longer rows' last keys
+  // the longer rows' last keys
+  for (int64_t j = shortest; j < longest; ++j) add_key(j, [&](int p) { return j < len[p]; });
 #pragma GCC unroll 4
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[p] + (c0 + c) * 8, _mm256_mul_ps(acc[p][c], _mm256_set1_ps(inv_sum[p])));
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(out[p] + (c0 + c) * 8, _mm256_mul_ps(acc[p][c], _mm256_set1_ps(inv_sum[p])));
+}
+
+// pv_block for pn <= PV_PAIRS pairs.
+template <int C>
+void pv_pairs(int64_t pn, const float* const* e, const int64_t* len, const float* inv_sum, const float* v,
+              const int64_t* slots, int64_t kv_stride, int64_t c0, float* const* out) {
+  if (pn == 1) pv_block<1, C>(e, len, inv_sum, v, slots, kv_stride, c0, out);
+  else if (pn == 2) pv_block<2, C>(e, len, inv_sum, v, slots, kv_stride, c0, out);
+  else pv_block<3, C>(e, len, inv_sum, v, slots, kv_stride, c0, out);
 }
 
 // As the AVX-512 kv_head: n (row, query head) pairs over one KV head, pair p over the keys at slots[0 : len[p]].
@@ -372,22 +383,12 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
     }
     inv_sum[p] = 1.0f / hsum8(sum);
   }
-  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // weighted values, 4 chunks (or the last 2) of up to 3 pairs at a time
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4)  // weighted values, 4 chunks (or the last 2) of up to 3 pairs at a time
     for (int64_t p0 = 0; p0 < n; p0 += PV_PAIRS) {
-      const int64_t pn = std::min<int64_t>(PV_PAIRS, n - p0);
-      const float* const* eo = sp.data() + p0;
-      float* const* oo = out + p0;
-      if (chunks - c0 >= 4) {
-        if (pn == 1) pv_block<1, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-        else if (pn == 2) pv_block<2, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-        else pv_block<3, 4>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-      } else {  // chunks is even (head_size a multiple of 16): 2 left
-        if (pn == 1) pv_block<1, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-        else if (pn == 2) pv_block<2, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-        else pv_block<3, 2>(eo, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0, oo);
-      }
+      const auto block = chunks - c0 >= 4 ? pv_pairs<4> : pv_pairs<2>;  // chunks is even (head_size a multiple of 16)
+      block(std::min<int64_t>(PV_PAIRS, n - p0), sp.data() + p0, len + p0, inv_sum.data() + p0, v, slots, kv_stride, c0,
+            out + p0);
     }
-  }
 }
 
 #endif  // __AVX512F__
