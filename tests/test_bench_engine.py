@@ -4,6 +4,9 @@ On the shared development machines the speed moves 1.5x within minutes; a ratio 
 pair a quiet minute with a loaded one. The served lookup's parameters come from an assembled repository.
 """
 
+import pathlib
+import subprocess
+
 import pytest
 
 from pipeline.apps.bench_engine import (goals, paired_speedup, render_markdown, run_rounds, served_lookup_parameters,
@@ -115,8 +118,6 @@ def test_the_report_prints_the_load_average_read_with_each_bandwidth():
 
 def test_make_bench_engine_builds_the_default_engines_before_it_assembles_their_repository():
     """On a fresh checkout `pipeline repo` refuses a spec whose engines were not built (it names `make engines`)."""
-    import pathlib
-    import subprocess
     root = pathlib.Path(__file__).resolve().parents[1]
     commands = subprocess.run(["make", "-n", "bench-engine"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.splitlines()

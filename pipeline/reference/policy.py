@@ -304,7 +304,7 @@ class PolicyProposer:
         finishes the step begun here. The weak trained-pair draft's runs, switched off after their first few steps,
         went from 0.944x / 0.949x to 0.948x / 0.957x of plain with it (two alternating A/Bs, docs/benchmarks.md)."""
         limit = self._begin_step(request_ids, num_generated)
-        if limit == 0 and not self.needs_hidden_states:
+        if self._nobody_asked(limit):
             return True
         self._begun_limit = limit
         return False
@@ -321,6 +321,11 @@ class PolicyProposer:
             self._state(request_id).answer_started = generated > 0
         return self.step_limit(len(self.requests))
 
+    def _nobody_asked(self, limit: int) -> bool:
+        """Whether a step of this limit leaves the wrapped proposer unasked: nobody drafts, and it has nothing to follow
+        (it does not read the target's hidden states)."""
+        return limit == 0 and not self.needs_hidden_states
+
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
         (the requests it follows: a request joins at its first proposal, also one alone for its prompt's last step).
@@ -328,8 +333,8 @@ class PolicyProposer:
         limit, self._begun_limit = self._begun_limit, None
         if limit is None:
             limit = self._begin_step([inp.request_id for inp in inputs], [inp.num_generated for inp in inputs])
-        if limit == 0 and not self.needs_hidden_states:
-            return [Draft(token_ids=[]) for _ in inputs]  # nobody drafts, and the proposer has nothing to follow
+        if self._nobody_asked(limit):
+            return [Draft(token_ids=[]) for _ in inputs]
         states = [self.requests[inp.request_id] for inp in inputs]
         slow_start = self.slow_start_limit(len(self.requests))
         limited = []
