@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from pipeline.apps.bench_engine import (goals, paired_speedup, render_markdown, run_rounds, served_lookup_parameters,
-                                       speedups)
+from pipeline.apps.bench_engine import (Rates, goals, paired_speedup, render_markdown, run_rounds,
+                                       served_lookup_parameters, speedups)
 
 
 def test_a_run_as_fast_as_its_rounds_plain_run_is_1x_whatever_the_machine_did():
@@ -24,19 +24,22 @@ def test_a_run_as_fast_as_its_rounds_plain_run_is_1x_whatever_the_machine_did():
 
 
 def test_goals_against_our_plain_use_the_paired_speedup_and_show_the_rounds():
-    def row(method, tok_s, speedup=None, k=0, batch=1):
+    def row(method, tok_s, speedup=None, k=0, batch=1, decode=1.0):
         r = {"pair": "smollm2-ngram", "engine": "ours", "method": method, "batch": batch, "k": k, "tok_s": tok_s,
              "cpu_tok_s": tok_s}
         if speedup is not None:
-            r.update(speedup_vs_our_plain=speedup[0], speedup_range=list(speedup[1:]), cpu_speedup_vs_our_plain=speedup[0])
+            r.update(speedup_vs_our_plain=speedup[0], speedup_range=list(speedup[1:]),
+                     cpu_speedup_vs_our_plain=speedup[0], decode_speedup_vs_our_plain=decode,
+                     decode_speedup_range=[decode, decode])
         return r
 
-    rows = [row("plain", 160.0, (1.0, 1.0, 1.0)), row("ngram", 150.0, (1.7, 1.6, 1.9), k=4),
+    rows = [row("plain", 160.0, (1.0, 1.0, 1.0)), row("ngram", 150.0, (1.7, 1.6, 1.9), k=4, decode=2.1),
             {"pair": "smollm2-ngram", "engine": "transformers", "method": "generate", "batch": 1, "k": 0, "tok_s": 20.0}]
     speedups(rows)
     assert rows[2]["speedup_vs_our_plain"] == 0.125  # transformers: its tok/s over our plain's
     [(goal, text, met)] = [g for g in goals(rows) if g[0].startswith("smollm2-ngram: n-gram >= 1.6x")]
     assert met and text.startswith("1.70x (K=4), rounds 1.60-1.90")  # not 150 / 160
+    assert text.endswith("; decode steps 2.10x")  # the prompts' prefill left out: shown, not judged
 
 
 def test_the_roofline_goal_pairs_each_plain_run_with_the_bandwidth_read_before_it():
@@ -61,7 +64,7 @@ def scheduled_rounds(plain_before_each: bool):
 
     def run(batch, prompts, proposer):
         calls.append((batch, proposer() is not None))
-        return float(len(calls)), float(len(calls)) + 0.5, {"run": len(calls)}
+        return Rates(float(len(calls)), len(calls) + 0.5, len(calls) + 0.25), {"run": len(calls)}
 
     spec = lambda: object()  # noqa: E731 - a stand-in proposer factory
     jobs = [("plain", 1, 0, [], lambda: None), ("draft", 1, 2, [], spec), ("draft", 1, 4, [], spec),
@@ -75,19 +78,19 @@ def test_each_speculative_run_pairs_with_the_plain_run_right_before_it_where_ask
     assert len(calls) == 2 * (2 + 2 * 3)  # per round: 2 plain jobs, 3 speculative ones with a plain run each
     for i in (1, 2, 4):
         for r in range(2):
-            run = int(rounds.tps[i][r])
+            run = int(rounds.runs[i][r].wall)
             assert calls[run - 1][1] and calls[run - 2] == (calls[run - 1][0], False)  # a plain run of its batch first
-            assert rounds.baseline_tps[i][r] == run - 1 and rounds.baseline_cpu[i][r] == run - 0.5
-    assert rounds.baseline_tps[0] == rounds.tps[0] and rounds.bandwidths == [1.0, 1.0]
+            assert rounds.baselines[i][r] == (run - 1, run - 0.5, run - 0.75)
+    assert rounds.baselines[0] == rounds.runs[0] and rounds.bandwidths == [1.0, 1.0]
     assert rounds.loads == [0.5, 1.5]  # read with each round's bandwidth
-    assert rounds.summaries[4] == {"run": int(rounds.tps[4][1])}  # the last round's
+    assert rounds.summaries[4] == {"run": int(rounds.runs[4][1].wall)}  # the last round's
 
 
 def test_otherwise_a_speculative_run_pairs_with_its_rounds_plain_run_of_its_batch():
     rounds, calls = scheduled_rounds(plain_before_each=False)
     assert len(calls) == 2 * 5
-    assert rounds.baseline_tps[1] == rounds.baseline_tps[2] == rounds.tps[0]  # batch 1: the round's first run
-    assert rounds.baseline_tps[4] == rounds.tps[3] and rounds.baseline_cpu[4] == rounds.cpu[3]  # batch 8's plain run
+    assert rounds.baselines[1] == rounds.baselines[2] == rounds.runs[0]  # batch 1: the round's first run
+    assert rounds.baselines[4] == rounds.runs[3]  # batch 8's plain run
 
 
 def test_the_served_lookup_comes_from_a_repository_whose_engine_runs_prompt_lookup(tmp_path, capsys):
