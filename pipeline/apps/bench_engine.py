@@ -271,7 +271,7 @@ def bench_pair(pair: Pair, ks: list[int], dtype: str, progress: tqdm, target_eng
     run_ours(target, [pair.prompts[0][:16]])  # warm-up (allocations, kernels)
 
     def ours(batch, prompts, proposer):
-        """(tok/s wall, tok/s CPU time, speculation summary) of one run; batch 1 runs the prompts one after another."""
+        """(Rates, speculation summary) of one run; batch 1 runs the prompts one after another."""
         if batch == 1:  # each rate: the prompts' harmonic mean (the same tokens each, so tokens over summed time)
             results = [run_ours(target, [p], proposer()) for p in prompts]
             rates = Rates(*(len(results) / sum(1 / rate for rate in each) for each in zip(*(r[0] for r in results))))
