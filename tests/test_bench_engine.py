@@ -127,3 +127,25 @@ def test_make_bench_engine_builds_the_default_engines_before_it_assembles_their_
     step = {c.split(" -m pipeline ")[1].split()[0]: i for i, c in enumerate(commands)
             if " -m pipeline " in c and "examples/default.yaml" in c}
     assert step.get("engines", len(commands)) < step["repo"], commands
+
+
+def test_the_decode_rate_leaves_out_the_steps_until_every_prompt_has_its_first_token(monkeypatch, tiny_llama):
+    """A run's `decode` rate counts the tokens after the step that gave the last prompt its first token, over the time
+    after it; `wall` counts every token over the whole run. A clock that only engine steps move: the prompts' step
+    takes 100 s, every later step 1 s."""
+    from pipeline.apps import bench_engine
+    from pipeline.reference.model import LlamaModel
+
+    now = [0.0]
+
+    class TimedEngine(bench_engine.LLMEngine):
+        def step(self):
+            now[0] += 1.0 if now[0] else 100.0
+            return super().step()
+
+    monkeypatch.setattr(bench_engine, "LLMEngine", TimedEngine)
+    monkeypatch.setattr(bench_engine.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bench_engine, "NEW_TOKENS", 8)
+    rates, stats = bench_engine.run_ours(LlamaModel.from_hf(tiny_llama), [[1, 2, 3, 4, 5], [6, 7, 8]])
+    # both prompts prefill in the first step (1 token each), then 7 steps of 2 tokens
+    assert rates.wall == 16 / 107 and rates.decode == 14 / 7
