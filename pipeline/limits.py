@@ -8,6 +8,10 @@ from dataclasses import dataclass
 # KV cache block size of every engine: trtllm-build --tokens_per_block, the reference engine's paged KV cache
 # (partial-block reuse makes each verify call compute only its new tokens at this block size).
 TOKENS_PER_BLOCK = 32
+# Plain decoding through the BLS streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
+# BLS sub-request, so a cancelled request stops within one call (measured: docs/reliability.md). It also bounds
+# serving.stream_interval, the tokens of such a call answered at once.
+PLAIN_CHUNK_TOKENS = 16
 
 
 @dataclass(frozen=True)

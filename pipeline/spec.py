@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.modes import traits
 
 Dtype = Literal["float16", "bfloat16", "float32"]
@@ -159,6 +160,11 @@ class ServingSpec:
     draft_failure: Literal["restart", "degraded"] = "restart"
     # A model call (BLS -> target or draft) with no response for this long fails.
     stall_timeout_s: float = 60.0
+    # Tokens a streamed plain response carries after the request's first (which is sent at once): 1 sends every
+    # engine step's tokens; N > 1 asks the target for calls of N tokens answered once each. Each response costs CPU
+    # beside the engine (about 1.5 ms on a 2-core CPU host, where 16 served plain decoding 18-24% faster;
+    # docs/benchmarks.md). At most PLAIN_CHUNK_TOKENS, so a cancelled request still stops within one call.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -455,6 +461,10 @@ def check_combinations(spec: Spec) -> None:
         if not 0 < getattr(spec.serving, name) < 86400:
             raise SpecError(f"serving.{name}", f"{getattr(spec.serving, name)} is not between 0 and 86400 seconds",
                             "use e.g. 60")
+    if not 1 <= spec.serving.stream_interval <= PLAIN_CHUNK_TOKENS:
+        raise SpecError("serving.stream_interval", f"{spec.serving.stream_interval} is not between 1 and "
+                        f"{PLAIN_CHUNK_TOKENS} tokens (a call of more could not be cancelled within it)",
+                        "use 1 to stream every step, or e.g. 8")
     ports = [spec.serving.http_port, spec.serving.grpc_port, spec.serving.metrics_port]
     if len(set(ports)) != 3 or not all(0 < p < 65536 for p in ports):
         raise SpecError("serving.http_port", f"ports {ports} must be distinct and in 1..65535", "pick three free ports")

@@ -202,19 +202,21 @@ def test_log_probs_are_the_targets_with_and_without_speculation(engines, lookup_
 
 class RecordingClient:
     """The in-process client, recording the requests in flight (`in_flight`) as each non-streaming call (a round's
-    draft or verify) starts, and the K each streaming call carries; calls pass through to the real engines."""
+    draft or verify) starts, and the K, the tokens asked for and the streaming flag of each streaming call; calls pass
+    through to the real engines."""
 
     def __init__(self, inner: LocalModelClient):
-        self.inner, self.calls, self.streams = inner, [], []
+        self.inner, self.calls, self.streams, self.stream_calls = inner, [], [], []
         self.in_flight = lambda: 0
 
     async def generate(self, model, *args, **kwargs):
         self.calls.append((model, self.in_flight()))
         return await self.inner.generate(model, *args, **kwargs)
 
-    def stream(self, model, prompt_ids, max_new, req, seed, returns=Returns(), engine_draft_len=None):
+    def stream(self, model, prompt_ids, max_new, req, seed, returns=Returns(), engine_draft_len=None, streaming=True):
         self.streams.append(engine_draft_len)
-        return self.inner.stream(model, prompt_ids, max_new, req, seed, returns, engine_draft_len)
+        self.stream_calls.append((max_new, streaming))
+        return self.inner.stream(model, prompt_ids, max_new, req, seed, returns, engine_draft_len, streaming)
 
     def round_starts(self, mode: str) -> list[int]:
         """Requests in flight when each round's first call went out (the draft's, or the target's for prompt lookup)."""
@@ -381,3 +383,29 @@ def test_a_request_cancelled_after_its_first_round_raises_stopped_and_leaves_not
     assert not runners["tensorrt_llm"].engine.has_unfinished()
     again, _ = run(decoder, tokenizer, settings, text, 24, 3)
     assert again == plain
+
+
+@pytest.mark.parametrize("engine_lookup", [False, True])
+def test_a_stream_interval_sends_the_first_token_alone_then_one_answer_per_call_of_n(engines, lookup_runner,
+                                                                                      engine_lookup):
+    """serving.stream_interval N: the request's first token comes from a call of its own, every later target call asks
+    for at most N tokens without streaming (one answer each), so every chunk after the first carries N tokens but the
+    last; the tokens and the engine's speculation counters are N=1's (plain, and prompt lookup in the engine)."""
+    runners, tokenizer = engines
+    text, max_tokens, k = "the the the cat sat on the mat and the cat sat on the", 30, 3 if engine_lookup else 0
+    results = {}
+    for interval in (1, 4):
+        settings = BlsSettings(tokenizer_dir="", speculative_mode="ngram", max_draft_len=4, max_input_len=48,
+                               max_seq_len=64, verify_input_len=63, engine_lookup=engine_lookup,
+                               stream_interval=interval)
+        client = RecordingClient(LocalModelClient({"tensorrt_llm": lookup_runner} if engine_lookup else runners))
+        _, chunks = run_chunks(SpeculativeDecoder(settings, client, Rounds()), tokenizer, settings, text, max_tokens, k)
+        sizes = [len(c.token_ids) for c in chunks if c.token_ids]
+        results[interval] = [t for c in chunks for t in c.token_ids], chunks[-1].stats, sizes, client.stream_calls
+    tokens, stats, sizes, calls = results[4]
+    assert tokens == results[1][0] and len(tokens) == max_tokens
+    assert calls[0] == (1, False) and all(n <= 4 and not streaming for n, streaming in calls[1:])
+    assert sizes == [1] + [4] * ((max_tokens - 1) // 4) + ([(max_tokens - 1) % 4] if (max_tokens - 1) % 4 else [])
+    assert all(streaming for _, streaming in results[1][3]) and len(results[1][2]) > len(sizes)
+    if engine_lookup:  # the engine drafted in both, and its counters reached the request's stats
+        assert stats.total_draft_tokens > 0 and results[1][1].total_draft_tokens > 0

@@ -159,3 +159,20 @@ def test_smollm2_greedy_speculation_equals_plain_alone_and_with_8_in_flight(tmp_
     spec = ngram_spec(tmp_path_factory.mktemp("exact-smollm2"), SMOLLM2, SMOLLM2)
     with serving(run_reference(spec)) as (server, _):
         check_greedy_identity(server, summarize_prompts(SMOLLM2), 128)
+
+
+def test_a_stream_interval_streams_the_same_answer_in_fewer_responses(exact_server, tmp_path_factory, derived_pair):
+    """serving.stream_interval 8 on the real server: the first token comes at once, then responses of up to 8 tokens,
+    so a 48-token answer comes in at most 1 + ceil(47 / 8) responses that carry tokens (a response holds back a split
+    multi-byte character, which only merges two), with the per-step stream's tokens, plain and speculating."""
+    spec = ngram_spec(tmp_path_factory.mktemp("interval-spec"), *derived_pair, serving={"stream_interval": 8})
+    prompt = summarize_prompts(derived_pair[0])[1]
+    with serving(run_reference(spec)) as (server, _):
+        for k in (0, 5):
+            request = bls_request(prompt, 48, num_draft_tokens=k, stream=True)
+            [coalesced] = stream_requests(server.grpc_url, "ensemble", [request], timeout=600)
+            [per_step] = stream_requests(exact_server.grpc_url, "ensemble", [request], timeout=600)
+            with_tokens = [r for r in coalesced if len(output_ids([r]))]
+            assert output_ids(coalesced) == output_ids(per_step) and len(output_ids(coalesced)) == 48
+            assert len(output_ids(with_tokens[:1])) == 1 and len(with_tokens) <= 1 + -(-47 // 8)
+            assert len([r for r in per_step if len(output_ids([r]))]) > len(with_tokens)

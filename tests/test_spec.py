@@ -45,6 +45,8 @@ def test_valid_spec_loads_typed(spec_file):
     ("models.draft=null", "models.draft", "add"),
     ("serving.kv_cache_free_gpu_mem_fraction.target=1.5", "serving.kv_cache_free_gpu_mem_fraction.target", "0.4"),
     ("serving.decoupled=false", "serving.streaming", "serving.streaming: false"),
+    ("serving.stream_interval=0", "serving.stream_interval", "stream every step"),
+    ("serving.stream_interval=17", "serving.stream_interval", "e.g. 8"),
 ])
 def test_bad_spec_names_field_and_fix(spec_file, override, path, fix_word):
     with pytest.raises(SpecError) as err:

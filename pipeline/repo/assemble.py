@@ -180,6 +180,7 @@ def bls_model(spec: Spec, toolchain: str, tokenizer_dir: Path, target: EngineInf
                                 else target.max_seq_len - 1),
         "min_new_tokens_for_speculation": str(s.min_new_tokens_for_speculation),
         "stall_timeout_s": str(spec.serving.stall_timeout_s),
+        "stream_interval": str(spec.serving.stream_interval),
         **_policy_params(s, draft_token_costs),
     }
     if lookup_in_engine(s.mode, toolchain):  # the target drafts: the BLS streams and forwards each request's K

@@ -56,7 +56,7 @@ BLS_PARAMETER_KEYS = frozenset({
     "tokenizer_dir", "speculative_mode", "num_draft_tokens", "max_draft_len", "use_draft_logits",
     "ngram_min", "ngram_max", "ngram_min_token_prob", "max_input_len", "max_seq_len", "verify_input_len", "min_new_tokens_for_speculation",
     "min_acceptance_rate", "draft_token_cost", "max_batch_for_speculation", "skip_special_tokens", "stall_timeout_s",
-    "engine_lookup"})
+    "stream_interval", "engine_lookup"})
 EXTENSIONS: dict[str, Interface] = {
     "ensemble": Interface(
         inputs=(TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), optional=True),

@@ -19,7 +19,10 @@ Log-probabilities and logits a request asks for (return_log_probs, return_genera
 return_context_logits) come from the target's calls only, so they are the target's whatever proposed
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
-stream from target calls of PLAIN_CHUNK_TOKENS tokens. So do prompt-lookup requests where the target
+stream from target calls of PLAIN_CHUNK_TOKENS tokens (with settings.stream_interval N > 1: the request's first token
+from a call of its own, then calls of N tokens answered once each, so every response carries N tokens: on a 2-core
+CPU host each streamed response took about 1.5 ms of CPU beside the engine, docs/benchmarks.md). So do
+prompt-lookup requests where the target
 engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
@@ -58,6 +61,7 @@ from typing import AsyncIterator, Callable, Iterator, Protocol
 import numpy as np
 
 from pipeline.acceptance import ChainEvidence
+from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.modes import traits
 from pipeline.seeds import ROLE_DRAFT, ROLE_TARGET, role_seed
 from pipeline.sequences import common_prefix_len, find_stop, next_draft_len, ngram_lookup
@@ -71,10 +75,6 @@ BACK_OFF_TOKENS = 16  # the first back-off's plain tokens; each further back-off
 # many more tokens (the engine's policy fades its finished requests' evidence per step): two one-token probes
 # rejected keep a useless draft of K=4 off at a bar of 0.7 for about 100 tokens of traffic, two more for about 300
 RECENT_HALF_LIFE_TOKENS = 256
-# Plain decoding streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
-# BLS sub-request, so a cancelled request stops within one chunk (measured: docs/reliability.md).
-PLAIN_CHUNK_TOKENS = 16
-
 
 class ModelError(RuntimeError):
     """A model call returned an error."""
@@ -126,9 +126,11 @@ class ModelClient(Protocol):
         ...
 
     def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
-               returns: Returns = Returns(), engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
+               returns: Returns = Returns(), engine_draft_len: int | None = None,
+               streaming: bool = True) -> AsyncIterator[Generation]:
         """One streaming call: yields new tokens (and what `returns` asks for) as the model produces them.
-        engine_draft_len: K for a target that drafts itself (engine_io.engine_inputs)."""
+        engine_draft_len: K for a target that drafts itself (engine_io.engine_inputs). streaming=False: the model
+        answers the call once, with all of its tokens (one response instead of one a step)."""
         ...
 
 
@@ -361,15 +363,20 @@ class SpeculativeDecoder:
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
                      engine_k: int | None, stats: RequestStats) -> AsyncIterator[Generation]:
-        """Target calls of at most PLAIN_CHUNK_TOKENS tokens; engine_k: K for a target that drafts itself, whose
-        counters each call adds to `stats` (the engine's model exports them as metrics itself)."""
-        done = 0
+        """Target calls of at most PLAIN_CHUNK_TOKENS tokens, streamed; with a stream interval N > 1 the request's
+        first token alone (its time to first token unchanged), then calls of N tokens answered once each. engine_k:
+        K for a target that drafts itself, whose counters each call adds to `stats` (the engine's model exports them
+        as metrics itself)."""
+        done, interval = 0, self.settings.stream_interval
         while done < max_new:
-            chunk = min(PLAIN_CHUNK_TOKENS, max_new - done)
+            if interval > 1:
+                chunk, streaming = (min(interval, max_new - done) if generated else 1), False
+            else:
+                chunk, streaming = min(PLAIN_CHUNK_TOKENS, max_new - done), True
             got, last = 0, None
             async for out in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
                                                 role_seed(req.sampling.seed, ROLE_TARGET), _target_returns(req, generated),
-                                                engine_draft_len=engine_k):
+                                                engine_draft_len=engine_k, streaming=streaming):
                 got, last = got + len(out.tokens), out
                 yield out  # the caller appends its tokens to `generated`
             if last is not None and last.drafted:

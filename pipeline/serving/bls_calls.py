@@ -151,10 +151,12 @@ class TritonModelClient:
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
                      seed: int | None, returns: Returns = Returns(),
-                     engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
+                     engine_draft_len: int | None = None, streaming: bool = True) -> AsyncIterator[Generation]:
         """One streaming call: yields each response's new tokens (and what `returns` asks for); a non-decoupled
-        model answers once, with all of them. engine_draft_len: K for a target that drafts itself."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled, None, None, returns, engine_draft_len)
+        model, or streaming=False, answers once, with all of them. engine_draft_len: K for a target that drafts
+        itself."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled and streaming, None, None, returns,
+                               engine_draft_len)
         async for part in self._generations(model, inputs, returns, counters=engine_draft_len is not None):
             if part.tokens or part.context_logits is not None:
                 yield part

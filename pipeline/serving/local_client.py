@@ -35,9 +35,9 @@ class LocalModelClient:
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
                      seed: int | None, returns: Returns = Returns(),
-                     engine_draft_len: int | None = None) -> AsyncIterator[Generation]:
-        """One streaming call."""
-        inputs = engine_inputs(prompt_ids, max_new, req, seed, True, None, None, returns, engine_draft_len)
+                     engine_draft_len: int | None = None, streaming: bool = True) -> AsyncIterator[Generation]:
+        """One streaming call (streaming=False: one response with all of the call's tokens)."""
+        inputs = engine_inputs(prompt_ids, max_new, req, seed, streaming, None, None, returns, engine_draft_len)
         async for part in self._generations(model, inputs):
             if part.tokens or part.context_logits is not None:
                 yield part

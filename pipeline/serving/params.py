@@ -161,6 +161,7 @@ class BlsSettings:
     max_batch_for_speculation: int = 1 << 30  # more requests in flight in this model instance: plain chunks
     skip_special_tokens: bool = True
     stall_timeout_s: float = 60.0  # a model call with no response for this long fails
+    stream_interval: int = 1  # plain tokens a streamed response carries after the first (serving.stream_interval)
 
     @property
     def switch_off_below(self) -> float:
