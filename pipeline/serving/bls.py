@@ -19,10 +19,10 @@ Log-probabilities and logits a request asks for (return_log_probs, return_genera
 return_context_logits) come from the target's calls only, so they are the target's whatever proposed
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
-stream from target calls of PLAIN_CHUNK_TOKENS tokens (with settings.stream_interval N > 1: the request's first token
-from a call of its own, then calls of N tokens answered once each, so every response carries N tokens: on a 2-core
-CPU host each streamed response took about 1.5 ms of CPU beside the engine, docs/benchmarks.md). So do
-prompt-lookup requests where the target
+stream from target calls of PLAIN_CHUNK_TOKENS tokens; with settings.stream_interval N > 1 the request's first token
+comes from a call of its own, then calls of N tokens are answered once each, so each later response carries N
+tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the engine: N=16 served
+8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
 engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
@@ -75,6 +75,7 @@ BACK_OFF_TOKENS = 16  # the first back-off's plain tokens; each further back-off
 # many more tokens (the engine's policy fades its finished requests' evidence per step): two one-token probes
 # rejected keep a useless draft of K=4 off at a bar of 0.7 for about 100 tokens of traffic, two more for about 300
 RECENT_HALF_LIFE_TOKENS = 256
+
 
 class ModelError(RuntimeError):
     """A model call returned an error."""
