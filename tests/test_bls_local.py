@@ -5,9 +5,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.reference.engine import EngineInputError, LLMEngine
 from pipeline.reference.runner import EngineRunner
-from pipeline.serving.bls import BACK_OFF_TOKENS, PLAIN_CHUNK_TOKENS, Returns, SpeculativeDecoder
+from pipeline.serving.bls import BACK_OFF_TOKENS, Returns, SpeculativeDecoder
 from pipeline.serving.errors import Stopped
 from pipeline.serving.local_client import LocalModelClient
 from pipeline.serving.params import BlsSettings, parse_text_request
@@ -100,7 +101,7 @@ def test_engine_lookup_streams_forwards_k_and_counts_the_engines_drafts(engines,
     assert stats.total_draft_tokens == counted.draft_tokens - before[0] > 0
     assert stats.total_accepted_draft_tokens == counted.accepted_tokens - before[1]
     calls = -(-24 // PLAIN_CHUNK_TOKENS)
-    assert not client.calls and client.streams == [0] * calls + [3] * calls
+    assert not client.calls and [k for k, _, _ in client.streams] == [0] * calls + [3] * calls
 
 
 def test_engine_lookup_takes_k_per_request_within_the_engines_limit(tiny_spec_engines):
@@ -206,7 +207,7 @@ class RecordingClient:
     through to the real engines."""
 
     def __init__(self, inner: LocalModelClient):
-        self.inner, self.calls, self.streams, self.stream_calls = inner, [], [], []
+        self.inner, self.calls, self.streams = inner, [], []  # streams: (K, tokens asked for, streaming) a call
         self.in_flight = lambda: 0
 
     async def generate(self, model, *args, **kwargs):
@@ -214,8 +215,7 @@ class RecordingClient:
         return await self.inner.generate(model, *args, **kwargs)
 
     def stream(self, model, prompt_ids, max_new, req, seed, returns=Returns(), engine_draft_len=None, streaming=True):
-        self.streams.append(engine_draft_len)
-        self.stream_calls.append((max_new, streaming))
+        self.streams.append((engine_draft_len, max_new, streaming))
         return self.inner.stream(model, prompt_ids, max_new, req, seed, returns, engine_draft_len, streaming)
 
     def round_starts(self, mode: str) -> list[int]:
@@ -401,7 +401,7 @@ def test_a_stream_interval_sends_the_first_token_alone_then_one_answer_per_call_
         client = RecordingClient(LocalModelClient({"tensorrt_llm": lookup_runner} if engine_lookup else runners))
         _, chunks = run_chunks(SpeculativeDecoder(settings, client, Rounds()), tokenizer, settings, text, max_tokens, k)
         sizes = [len(c.token_ids) for c in chunks if c.token_ids]
-        results[interval] = [t for c in chunks for t in c.token_ids], chunks[-1].stats, sizes, client.stream_calls
+        results[interval] = [t for c in chunks for t in c.token_ids], chunks[-1].stats, sizes, [(n, on) for _, n, on in client.streams]
     tokens, stats, sizes, calls = results[4]
     assert tokens == results[1][0] and len(tokens) == max_tokens
     assert calls[0] == (1, False) and all(n <= 4 and not streaming for n, streaming in calls[1:])

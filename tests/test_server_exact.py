@@ -17,11 +17,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from clients.chat import ChatTemplate
+from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_TOKENS_METRIC, ROUNDS_METRIC, TARGET_MODEL
 from pipeline.spec import load_spec
 from specbuild.toolchains.reference import run_reference
 from clients.client import TritonClient
-from pipeline.serving.bls import PLAIN_CHUNK_TOKENS
 from tests.test_server_faults import LONG, settled_steps
 from tests.test_server_faults import request as fault_request
 from tests.test_server_sampling import bls_request, engine_request, output_ids

@@ -22,9 +22,9 @@ import pytest
 
 from clients.client import AsyncTritonClient, ClientError, GenerateRequest, SamplingParams, TritonClient
 from pipeline.lifecycle import Endpoints, check, stub_pids
+from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.names import METRICS_FLUSH_S
 from pipeline.serving import heartbeat
-from pipeline.serving.bls import PLAIN_CHUNK_TOKENS
 from pipeline.serving.drain import DRAIN_ENV, DRAINING, read_state
 from tests.test_server_triton import prompts
 from tests.triton_fixtures import MAX_DRAFT_LEN, serving, write_spec
