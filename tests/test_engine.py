@@ -311,7 +311,7 @@ class PathTreeProposer:
         drafts = []
         for inp in inputs:
             self.hidden_rows.append(inp.hidden_states.shape[0])
-            guess = NgramProposer().lookup(inp.token_ids, 3)
+            guess = NgramProposer().lookup(inp.token_ids, 3).token_ids
             if not guess or inp.num_tokens < len(guess) + 1:
                 drafts.append(Draft([]))
                 continue

@@ -8,6 +8,7 @@ from pipeline.spec_stats import SpecStats, aggregate
 from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices
+from pipeline.sequences import MATCH_LENGTH_CAP
 
 
 def test_ngram_proposes_the_continuation_of_the_longest_suffix_match():
@@ -15,21 +16,24 @@ def test_ngram_proposes_the_continuation_of_the_longest_suffix_match():
     #            0  1  2  3  4  5  6  7  8  9
     context = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
     # suffix (2, 6, 7) never occurred before; (6, 7) did at 1 and 6 -> latest at 6, followed by 2, 6, 7
-    assert ngram.lookup(context, 3) == [2, 6, 7]
-    assert ngram.lookup(context, 1) == [2]
+    assert ngram.lookup(context, 3).token_ids == [2, 6, 7]
+    assert ngram.lookup(context, 1).token_ids == [2]
+    assert ngram.lookup(context, 3).match_length == 2  # 1 precedes that (6, 7), 2 the context's
+    # the match length goes past max_ngram: all five tokens before the 9 match the context's last five
+    assert ngram.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5], 2) == Draft(token_ids=[9, 1], match_length=5)
 
 
 def test_ngram_prefers_a_longer_match_over_a_later_shorter_one():
     ngram = NgramProposer(min_ngram=1, max_ngram=2)
     context = [1, 2, 3, 4, 9, 2, 5, 1, 2]
     # (1, 2) occurs at 0 -> [3, 4]; the single token 2 also occurs later at 5 -> [5], but 2-grams win
-    assert ngram.lookup(context, 2) == [3, 4]
+    assert ngram.lookup(context, 2).token_ids == [3, 4]
 
 
 def test_ngram_without_a_match_or_budget_proposes_nothing():
     ngram = NgramProposer(min_ngram=2, max_ngram=3)
-    assert ngram.lookup([1, 2, 3, 4], 4) == []
-    assert ngram.lookup([1, 2, 1, 2], 0) == []
+    assert ngram.lookup([1, 2, 3, 4], 4).token_ids == []
+    assert ngram.lookup([1, 2, 1, 2], 0).token_ids == []
     drafts = ngram.propose([ProposalInput("a", [1, 2, 3, 1, 2], 2), ProposalInput("b", [7], 2)])
     assert [d.token_ids for d in drafts] == [[3, 1], []]
 
@@ -39,42 +43,48 @@ def test_min_token_prob_cuts_the_draft_where_earlier_occurrences_disagree():
     context = [7, 1, 2, 3, 7, 1, 2, 4, 7, 1, 2, 4, 7]
     # 7 occurred at 0, 4 and 8; the latest continues 1 2 4 7. All three agree on 1 and 2; on the third token
     # 2 of 3 say 4 (the one at 0 says 3); the two left agree on 7: frequencies 1, 1, 2/3, 1
-    assert NgramProposer(1, 1).lookup(context, 4) == [1, 2, 4, 7]  # no cut: the latest continuation
-    assert NgramProposer(1, 1, min_token_prob=0.6).lookup(context, 4) == [1, 2, 4, 7]  # 2/3 >= 0.6
-    assert NgramProposer(1, 1, min_token_prob=0.7).lookup(context, 4) == [1, 2]  # 2/3 < 0.7: cut before the 4
+    assert NgramProposer(1, 1).lookup(context, 4).token_ids == [1, 2, 4, 7]  # no cut: the latest continuation
+    assert NgramProposer(1, 1, min_token_prob=0.6).lookup(context, 4).token_ids == [1, 2, 4, 7]  # 2/3 >= 0.6
+    assert NgramProposer(1, 1, min_token_prob=0.7).lookup(context, 4).token_ids == [1, 2]  # 2/3 < 0.7: cut before the 4
     # the first token is kept whatever its frequency: 7 was followed by 1 and then by 2 (latest)
-    assert NgramProposer(1, 1, min_token_prob=0.9).lookup([7, 1, 7, 2, 7], 3) == [2]
-    assert NgramProposer(1, 1).lookup([7, 1, 7, 2, 7], 3) == [2, 7]
+    assert NgramProposer(1, 1, min_token_prob=0.9).lookup([7, 1, 7, 2, 7], 3).token_ids == [2]
+    assert NgramProposer(1, 1).lookup([7, 1, 7, 2, 7], 3).token_ids == [2, 7]
 
 
 def _lookup_by_definition(tokens, k, min_ngram, max_ngram, min_token_prob):
     """ngram_lookup's docstring, position by position: every earlier occurrence of the longest matching suffix,
-    the latest one's continuation, cut where the share of agreeing occurrences' product falls below min_token_prob."""
+    the latest one's continuation, cut where the share of agreeing occurrences' product falls below min_token_prob;
+    the match length: the longest suffix (at most the cap) that also ends where that continuation starts."""
+    if k <= 0:
+        return [], 0
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         starts = [s + n for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == tokens[-n:]]
         if not starts:
             continue
+        matched = max(m for m in range(n, min(MATCH_LENGTH_CAP, starts[0]) + 1)
+                      if tokens[starts[0] - m:starts[0]] == tokens[-m:])
         draft, prob = tokens[starts[0]:starts[0] + k], 1.0
         for i, token in enumerate(draft):
             live = [s for s in starts if s + i < len(tokens)]
             starts = [s for s in live if tokens[s + i] == token]
             prob *= len(starts) / len(live)
             if i and prob < min_token_prob:
-                return draft[:i]
-        return draft
-    return []
+                return draft[:i], matched
+        return draft, matched
+    return [], 0
 
 
 def test_ngram_lookup_finds_what_its_definition_finds():
     # token ids whose 4-byte encodings share bytes (256 = 0x100, 65536, 1): a match across two tokens' bytes
-    # must not count
+    # must not count; long contexts of two tokens reach the match length's cap
     rng = random.Random(0)
     for _ in range(3000):
-        vocab = rng.choice([[1, 2], [1, 2, 3, 256], [0, 1, 256, 65536, 257], list(range(6))])
-        tokens = [rng.choice(vocab) for _ in range(rng.randint(1, 40))]
+        vocab = rng.choice([[1, 2], [1, 2, 3, 256], [0, 1, 256, 65536, 257], list(range(6)), [7]])
+        tokens = [rng.choice(vocab) for _ in range(rng.randint(1, 60))]
         k, lo = rng.randint(0, 6), rng.randint(1, 3)
         hi, cut = rng.randint(lo, 4), rng.choice([0.0, 0.4, 0.7])
-        assert NgramProposer(lo, hi, cut).lookup(tokens, k) == _lookup_by_definition(tokens, k, lo, hi, cut), tokens
+        draft = NgramProposer(lo, hi, cut).lookup(tokens, k)
+        assert (draft.token_ids, draft.match_length) == _lookup_by_definition(tokens, k, lo, hi, cut), tokens
 
 
 def test_ngram_sizes_are_checked():
@@ -211,7 +221,7 @@ def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts
     asked = [step(gated, True) for _ in range(6)]
     assert asked == [1, 1, None, None, None, None]
     assert [step(plain, False) for _ in range(6)] == [1, 1, 0, 0, 0, 0]
-    assert gated.position_proposed == plain.position_proposed and gated.position_proposed[0] < 2  # faded 4 times
+    assert gated.position_proposed == plain.position_proposed and gated.position_proposed[0][0] < 2  # faded 4 times
     assert gated.requests.keys() == plain.requests.keys() == {"r0"}
 
 
@@ -483,3 +493,38 @@ def test_policy_batch_gate_from_the_measured_cost():
     for i in range(1, 8):  # seven of them finish
         policy.release(f"r{i}")
     assert ask(policy, n=1) == [1]  # the slow start's probe
+
+
+class MatchProposer(FixedProposer):
+    """FixedProposer whose drafts carry a match length per request, as prompt lookup's do."""
+
+    reports_match_length = True
+
+    def __init__(self, match_lengths):
+        super().__init__()
+        self.match_lengths = match_lengths
+
+    def propose(self, inputs):
+        return [Draft(token_ids=d.token_ids, match_length=self.match_lengths[inp.request_id])
+                for d, inp in zip(super().propose(inputs), inputs)]
+
+
+def test_policy_switches_off_the_match_lengths_that_do_not_pay_at_the_running_batch():
+    """Prompt lookup with 8 in flight, where a draft token costs 0.67 of a step: two requests' drafts follow 16-token
+    matches and are always accepted; six follow 1-token matches, half of them accepted through their first token, half
+    not at all. Once the short matches' class has its evidence (16 draft tokens a position) its first position (50%)
+    does not pay and those requests decode plainly, while the long ones draft on; the pool as a whole (62% at the
+    first position) would have stopped everyone. Alone, where a draft token costs 0.2 of a step, a short match's first
+    token pays again, its second still does not."""
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=8,
+                          draft_token_costs=((1, 0.2), (8, 0.67)))
+    lengths = {f"r{i}": 16 if i < 2 else 1 for i in range(8)}
+    accept = [4, 4, 1, 1, 1, 0, 0, 0]
+    policy = PolicyProposer(MatchProposer(lengths), config)
+    assert run_chains(policy, accept, steps=2, n=8) == [4] * 8  # 12 draft tokens a position of the short class
+    assert run_chains(policy, accept, steps=1, n=8) == [4, 4] + [0] * 6  # 18, faded to 17.8
+    for i in (0, 1, 3, 4, 5, 6, 7):
+        policy.release(f"r{i}")
+    assert policy.propose([ProposalInput("r2", [1, 2, 3], 8, num_generated=1)])[0].token_ids == [0]
+    pooled = PolicyProposer(FixedProposer(), config)
+    assert run_chains(pooled, accept, steps=5, n=8) == [0] * 8

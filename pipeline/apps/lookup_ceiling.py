@@ -91,7 +91,7 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
             out.forwards += remaining
             break
         k = min(schedule.draft_len, remaining - 1)
-        draft = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
+        draft, _ = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
         accepted = 0
         if not draft:
             plain = min(k + 1 if policy.miss_tokens is None else policy.miss_tokens, remaining)

@@ -50,6 +50,9 @@ class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] q each token was sampled from; None = deterministic
     parents: list[int] | None = None  # tree drafts: parent node of each node, -1 = the root (last committed token)
+    # prompt lookup: how many of the context's last tokens matched where the draft was copied from
+    # (pipeline.sequences.ngram_lookup); None from proposers without a match
+    match_length: int | None = None
 
 
 class Proposer(Protocol):
@@ -82,6 +85,7 @@ class NgramProposer:
 
     needs_hidden_states = False
     drafts_at_prefill = True  # it needs nothing but the tokens: the step that completes a prompt can verify a draft
+    reports_match_length = True  # its drafts carry their match length (the policy's switch-off decides per length)
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3, min_token_prob: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
@@ -95,11 +99,13 @@ class NgramProposer:
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """A chain of up to K copied tokens per request (empty when nothing matches)."""
-        return [Draft(token_ids=self.lookup(inp.token_ids, inp.num_tokens)) for inp in inputs]
+        return [self.lookup(inp.token_ids, inp.num_tokens) for inp in inputs]
 
-    def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """The up-to-k tokens that followed the latest earlier match of the longest matching suffix."""
-        return ngram_lookup(token_ids, k, self.min_ngram, self.max_ngram, self.min_token_prob)
+    def lookup(self, token_ids: list[int], k: int) -> Draft:
+        """The up-to-k tokens that followed the latest earlier match of the longest matching suffix, with the length
+        of that match."""
+        tokens, matched = ngram_lookup(token_ids, k, self.min_ngram, self.max_ngram, self.min_token_prob)
+        return Draft(token_ids=tokens, match_length=matched)
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         """Nothing to learn."""

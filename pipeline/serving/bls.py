@@ -395,7 +395,7 @@ class SpeculativeDecoder:
         seed = role_seed(req.sampling.seed, ROLE_TARGET)
         draft_logits = None
         if self.ngram is not None:
-            draft = ngram_lookup(seq, k, *self.ngram)
+            draft, _ = ngram_lookup(seq, k, *self.ngram)
         else:
             try:
                 proposal = await self.client.generate(self.settings.draft_model, seq, k, req,
