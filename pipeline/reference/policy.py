@@ -58,18 +58,18 @@ Speculation only pays when enough draft tokens are accepted and the target has s
 - draft positions that do not pay: where a draft token has a measured cost at the running batch size, a draft ends
   before the first position whose pooled acceptance through it is below that cost (`useful_positions`): at 4 in flight
   a fifth draft token costs more than the little it brings, at batch 1 it is nearly free;
-- match lengths that do not pay (prompt lookup: its drafts carry the length of the match they were copied after,
-  `Draft.match_length`): the positions' evidence is kept per class of match length (1, 2-3, 4-7, 8-15, 16 or more
-  tokens), and a draft ends before the first position, the first one included, whose acceptance in its class does not
-  pay (`useful_positions`). This takes the place of the pooled switch-off, whose bar (min_acceptance_rate where it is
-  higher than a draft token's cost) then applies to each class's first position, and of the slow start (per class it
-  cost prompt lookup at batch 1 3.41 tokens a forward against 3.61 pooled: a copy run's match grows through the
-  classes a step at a time, so most classes had fading evidence and probed again). A long match is a likelier copy:
-  on SmolLM2's answers to grounded prompts the first draft token was accepted 43% of the time after a one-token match
-  and 95% after 9 or more. With 8 in flight on the AVX2 host, where a draft token cost 0.67 of a step, the pooled
-  switch-off turned prompt lookup off (1.05 tokens a forward), where the classes keep the long matches' drafts and
-  the short ones' first tokens (3.2 tokens a forward; docs/benchmarks.md). Prompt lookup has no draft forward for
-  requests to share, so deciding per draft loses nothing the pooled decision saves (see above);
+- long matches where the pool is off (prompt lookup: its drafts carry the length of the match they were copied after,
+  `Draft.match_length`): where the switch-off has turned the pool off, the class of a request's match length (1,
+  2-3, 4-7, 8-15, 16 or more tokens) decides its draft (`class_limit`), from the first positions of every chain
+  draft after such matches (pooled, fading), against a draft token's cost at the running batch size (or
+  min_acceptance_rate where higher): at EARLY_STOP_RISK, a class whose acceptance is surely above it drafts K, one
+  surely below it nothing, any other one token, whose outcome is more evidence. A long match is a likelier copy: on
+  SmolLM2's answers to grounded prompts the first draft token was accepted 43% of the time after a one-token match and
+  95% after 9 or more; with 8 in flight on the AVX2 host, where a draft token cost 0.67 of a step, the pooled
+  switch-off turned prompt lookup off on those prompts (1.05 tokens a forward) though their long matches paid
+  (docs/benchmarks.md). These drafts are not the pool's evidence (it stays what the pool's own drafts said). Deciding
+  per class (and position) where the pool is on as well measured worse: the classes split the evidence five ways,
+  and served chat at 4 in flight drafted on through classes just above their bar (0.87-0.95x of plain against 1.00x);
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0 where that proposer
@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pipeline.acceptance import ChainEvidence, chain_accepted
+from pipeline.acceptance import EARLY_STOP_RISK, ChainEvidence, acceptance_upper_bound, chain_accepted
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.sequences import MATCH_LENGTH_CAP, next_draft_len
 
@@ -93,11 +93,11 @@ REACH_EVIDENCE = 0.5
 # Draft tokens a draft position needs (pooled, fading like the finished requests' evidence) before its acceptance can
 # end drafts there (PolicyProposer.useful_positions)
 POSITION_EVIDENCE = 16
-# Classes of prompt lookup's match lengths: class c holds lengths 2^c .. 2^(c+1) - 1, the last one the cap
-MATCH_CLASSES = MATCH_LENGTH_CAP.bit_length()
 # Finished requests' pooled evidence is multiplied by this every step (half-life about 70 steps, 1-2 s at
 # SmolLM2's CPU step times), so what it says about the traffic fades and new requests get tried again.
 PAST_EVIDENCE_DECAY = 0.99
+# Classes of prompt lookup's match lengths: class c holds lengths 2^c .. 2^(c+1) - 1, the last one the cap
+MATCH_CLASSES = MATCH_LENGTH_CAP.bit_length()
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,8 @@ class _RequestPolicy:
     chain: bool = True  # its last draft was a chain (a tree's nodes are not draft positions)
     chain_evidence: ChainEvidence = field(default_factory=ChainEvidence)  # its chain steps', for the early stop
     probe_for: int = 0  # its draft this step was cut by the slow start from this length (0: not cut)
-    match_class: int = 0  # the class of its draft's match length this step (`_match_class`; 0 without one)
+    match_class: int | None = None  # the class of its draft's match length this step (None: no draft or no length)
+    by_class: bool = False  # its draft this step was let through by its match class while the pool was off
 
 
 class PolicyProposer:
@@ -218,14 +219,16 @@ class PolicyProposer:
         self.needs_hidden_states = inner.needs_hidden_states
         self.capture_layers = getattr(inner, "capture_layers", None)
         self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
-        self.by_match_length = getattr(inner, "reports_match_length", False)  # positions' evidence per match class
+        self.by_match_length = getattr(inner, "reports_match_length", False)  # long matches draft where the pool is off
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
         self.past_accepted = self.past_proposed = self.past_steps = 0.0  # finished requests' evidence, fading (`pays`)
-        # per class of match length c (one class without match lengths) and draft position i: draft tokens proposed
-        # there, and accepted through there (the pool's, fading)
-        classes = MATCH_CLASSES if self.by_match_length else 1
-        self.position_proposed = [[0.0] * config.max_draft_tokens for _ in range(classes)]
-        self.position_accepted = [[0.0] * config.max_draft_tokens for _ in range(classes)]
+        # per draft position i: draft tokens proposed there, and accepted through there (the pool's, fading)
+        self.position_proposed = [0.0] * config.max_draft_tokens
+        self.position_accepted = [0.0] * config.max_draft_tokens
+        # per class of match length: first draft positions checked, and accepted (every request's, fading)
+        self.match_proposed = [0.0] * MATCH_CLASSES
+        self.match_accepted = [0.0] * MATCH_CLASSES
+        self._by_class = False  # this step: the pool is off, and only drafts whose match class pays are kept
         self.evidence_version = 0  # counts changes of the running requests' evidence (update, release)
         self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
         self._begun_limit: int | None = None  # the limit of a step `skips_step` began and propose() finishes
@@ -241,11 +244,10 @@ class PolicyProposer:
 
     def step_limit(self, batch_size: int) -> int:
         """The most draft tokens any request may draft this step at this running batch size, decided once for the
-        running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions` (with
-        match classes every position: each draft is cut by its class's, in `propose`)."""
+        running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`."""
         if batch_size > self.config.max_batch_for_speculation or not self.pays(batch_size):
             return 0
-        return self.config.max_draft_tokens if self.by_match_length else self.useful_positions(batch_size)
+        return self.useful_positions(batch_size)
 
     def draft_len(self, state: _RequestPolicy, inp: ProposalInput, limit: int) -> int:
         """K for this request (`state`: what the policy remembers of it) this step (0 = decode plainly), at most the
@@ -266,8 +268,6 @@ class PolicyProposer:
         cfg = self.config
         if cfg.min_acceptance_rate > 0 and cfg.break_even(batch_size) >= 1:
             return False  # a draft token costs a whole step: no acceptance pays
-        if self.by_match_length:
-            return True  # each match class's first position decides (`useful_positions`)
         # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence;
         # finished requests' evidence fills what the running ones lack of the window
         window = cfg.window * cfg.num_draft_tokens
@@ -293,36 +293,43 @@ class PolicyProposer:
             self._hopeless_verdict = (key, verdict)
         return self._hopeless_verdict[1]
 
-    def useful_positions(self, batch_size: int, match_class: int = 0) -> int:
+    def useful_positions(self, batch_size: int) -> int:
         """How many leading draft positions pay at this batch size: a draft ends before the first position (after the
         first) whose pooled acceptance through it is below what one more draft token costs (`step_costs`' per_token),
         once that position has POSITION_EVIDENCE draft tokens. Drafting position i brings a token with the probability
         that the drafts reaching it are accepted through it, and costs one draft token: at 4 in flight on code prompts
         K=5 brought 1.42 tokens a step against K=2's 1.35 while its verify cost 0.69 of a step against 0.84 (make
-        bench, docs/benchmarks.md). The evidence fades, so a position ruled out is tried again after some steps.
-        With match classes (prompt lookup) the positions of drafts after matches of `match_class`, the first one
-        included: 0 when its acceptance is below the switch-off's bar per draft token (the cost, or
-        min_acceptance_rate where higher; never with min_acceptance_rate 0), so those drafts stop (see the module
-        docstring)."""
-        cfg = self.config
-        cost = cfg.step_costs(batch_size)[1]
-        proposed, accepted = self.position_proposed[match_class], self.position_accepted[match_class]
-        first = 0 if self.by_match_length and cfg.min_acceptance_rate > 0 else 1  # position 0: the switch-off's
-        for i in range(first, len(proposed)):
-            bar = cost if i else max(cost, cfg.min_acceptance_rate)
-            if proposed[i] >= POSITION_EVIDENCE and accepted[i] < bar * proposed[i]:
+        bench, docs/benchmarks.md). The evidence fades, so a position ruled out is tried again after some steps."""
+        cost = self.config.step_costs(batch_size)[1]
+        for i in range(1, len(self.position_proposed)):
+            if self.position_proposed[i] >= POSITION_EVIDENCE and self.position_accepted[i] < cost * self.position_proposed[i]:
                 return i
-        return len(proposed)
+        return len(self.position_proposed)
+
+    def class_limit(self, match_class: int, batch_size: int) -> int:
+        """How many tokens a draft after a match of this class (`_match_class`) may have at this running batch size
+        where the pool is off (see the module docstring): the bar is what a draft token costs (`step_costs`'
+        per_token), or min_acceptance_rate where higher; at EARLY_STOP_RISK, K where the class's first-position
+        acceptance is surely above it, 0 where it is surely below, else 1 (a probe: its outcome is more evidence). The
+        evidence fades, so a class ruled out is probed again after some steps."""
+        cfg = self.config
+        checked, accepted = self.match_proposed[match_class], self.match_accepted[match_class]
+        if checked < 1:
+            return 1
+        bar = max(cfg.step_costs(batch_size)[1], cfg.min_acceptance_rate)
+        if 1 - acceptance_upper_bound(checked - accepted, checked, EARLY_STOP_RISK) >= bar:
+            return cfg.max_draft_tokens
+        return 0 if acceptance_upper_bound(accepted, checked, EARLY_STOP_RISK) < bar else 1
 
     def slow_start_limit(self, batch_size: int) -> int:
         """The most draft tokens a chain may have under the slow start (see the module docstring), where a draft token
         has a cost at this batch size: 1 until the pool has had one accepted (lately: the evidence fades, so a pool
         that switched a draft off probes it again with one token), then the longest draft of at most K that pays at the
         first position's pooled acceptance (1 if none, no limit at K); without a cost no limit."""
-        cfg, no_limit = self.config, self.config.max_draft_tokens
+        cfg, no_limit = self.config, len(self.position_accepted)
         if cfg.break_even(batch_size) <= 0:
             return no_limit
-        accepted, proposed = self.position_accepted[0][0], self.position_proposed[0][0]  # the one class's
+        accepted, proposed = self.position_accepted[0], self.position_proposed[0]
         if accepted < REACH_EVIDENCE:
             return 1
         fixed, per_token = cfg.step_costs(batch_size)
@@ -349,16 +356,23 @@ class PolicyProposer:
         self.past_accepted *= PAST_EVIDENCE_DECAY
         self.past_proposed *= PAST_EVIDENCE_DECAY
         self.past_steps *= PAST_EVIDENCE_DECAY
-        for positions in (*self.position_proposed, *self.position_accepted):
-            positions[:] = [x * PAST_EVIDENCE_DECAY for x in positions]
+        self.position_proposed = [x * PAST_EVIDENCE_DECAY for x in self.position_proposed]
+        self.position_accepted = [x * PAST_EVIDENCE_DECAY for x in self.position_accepted]
+        self.match_proposed = [x * PAST_EVIDENCE_DECAY for x in self.match_proposed]
+        self.match_accepted = [x * PAST_EVIDENCE_DECAY for x in self.match_accepted]
         for request_id, generated in zip(request_ids, num_generated):
             self._state(request_id).answer_started = generated > 0
-        return self.step_limit(len(self.requests))
+        cfg, batch_size = self.config, len(self.requests)
+        limit = self.step_limit(batch_size)
+        # the pool switched off (not gated): the match classes decide each draft (`_class_drafts`)
+        self._by_class = (limit == 0 and self.by_match_length and batch_size <= cfg.max_batch_for_speculation
+                          and cfg.break_even(batch_size) < 1)
+        return limit
 
     def _nobody_asked(self, limit: int) -> bool:
         """Whether a step of this limit leaves the wrapped proposer unasked: nobody drafts, and it has nothing to follow
         (it does not read the target's hidden states)."""
-        return limit == 0 and not self.needs_hidden_states
+        return limit == 0 and not self._by_class and not self.needs_hidden_states
 
     def propose(self, inputs: list[ProposalInput]) -> list[Draft]:
         """Ask the wrapped proposer for K_i tokens per request, K_i chosen by the policy at the running batch size
@@ -370,23 +384,34 @@ class PolicyProposer:
         if self._nobody_asked(limit):
             return [Draft(token_ids=[]) for _ in inputs]
         states = [self.requests[inp.request_id] for inp in inputs]
-        batch_size = len(self.requests)
-        # the slow start cuts chains before they are drafted (not with match classes: their positions decide, below)
-        slow_start = self.config.max_draft_tokens if self.by_match_length else self.slow_start_limit(batch_size)
+        if self._by_class:
+            return self._class_drafts(inputs, states)
+        slow_start = self.slow_start_limit(len(self.requests))
         limited = []
         for state, inp in zip(states, inputs):
             k = self.draft_len(state, inp, limit)
             state.probe_for = k if state.chain and k > slow_start else 0
             limited.append(replace(inp, num_tokens=min(k, slow_start) if state.chain else k))
         drafts = self.inner.propose(limited)
-        for i, (state, draft, inp) in enumerate(zip(states, drafts, limited)):
-            state.chain = draft.parents is None
-            state.match_class = _match_class(draft.match_length) if self.by_match_length and draft.match_length else 0
-            if inp.num_tokens == 0:
-                drafts[i] = Draft(token_ids=[])
-            elif self.by_match_length:  # its class's positions that pay
-                useful = self.useful_positions(batch_size, state.match_class)
-                drafts[i] = replace(draft, token_ids=draft.token_ids[:useful])
+        for state, draft in zip(states, drafts):
+            state.chain, state.by_class = draft.parents is None, False
+            reports = self.by_match_length and draft.match_length
+            state.match_class = _match_class(draft.match_length) if reports else None
+        return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
+
+    def _class_drafts(self, inputs: list[ProposalInput], states: list[_RequestPolicy]) -> list[Draft]:
+        """A step where the pool is off (`_by_class`): each request looks up a draft of its K, cut to what its match's
+        class allows (`class_limit`)."""
+        batch_size = len(self.requests)
+        limited = [replace(inp, num_tokens=self.draft_len(state, inp, self.config.max_draft_tokens))
+                   for state, inp in zip(states, inputs)]
+        drafts = []
+        for state, draft in zip(states, self.inner.propose(limited)):
+            match_class = _match_class(draft.match_length) if draft.match_length else None
+            tokens = draft.token_ids[:self.class_limit(match_class, batch_size)] if match_class is not None else []
+            state.chain, state.probe_for, state.by_class = True, 0, True
+            state.match_class = match_class if tokens else None
+            drafts.append(replace(draft, token_ids=tokens))
         return drafts
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
@@ -398,16 +423,20 @@ class PolicyProposer:
         cfg = self.config
         if cfg.adaptive:
             state.draft_len = next_draft_len(state.draft_len, num_accepted, num_proposed, cfg.max_draft_tokens)
+        if state.match_class is not None:  # its class's first position
+            self.match_proposed[state.match_class] += 1
+            self.match_accepted[state.match_class] += num_accepted > 0
+        if state.by_class:
+            return  # let through by its class while the pool was off: not the pool's evidence (module docstring)
         state.accepted += num_accepted
         state.proposed += num_proposed
         state.steps += 1
         self.evidence_version += 1
         if state.chain:
             state.chain_evidence.add(num_accepted, num_proposed, state.probe_for)  # a probe stands for the draft it cut
-            proposed, accepted = self.position_proposed[state.match_class], self.position_accepted[state.match_class]
-            for i in range(min(num_proposed, len(proposed))):
-                proposed[i] += 1
-                accepted[i] += i < num_accepted
+            for i in range(min(num_proposed, len(self.position_proposed))):
+                self.position_proposed[i] += 1
+                self.position_accepted[i] += i < num_accepted
 
     def release(self, request_id: str) -> None:
         """Forget the request here and in the wrapped proposer; its evidence joins the finished requests'."""
