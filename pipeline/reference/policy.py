@@ -228,7 +228,7 @@ class PolicyProposer:
         # per class of match length: first draft positions checked, and accepted (every request's, fading)
         self.match_proposed = [0.0] * MATCH_CLASSES
         self.match_accepted = [0.0] * MATCH_CLASSES
-        self._by_class = False  # this step: the pool is off, and only drafts whose match class pays are kept
+        self._by_class = False  # this step: the pool is off, and each draft's match class decides (`_class_drafts`)
         self.evidence_version = 0  # counts changes of the running requests' evidence (update, release)
         self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
         self._begun_limit: int | None = None  # the limit of a step `skips_step` began and propose() finishes

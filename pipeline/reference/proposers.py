@@ -85,7 +85,7 @@ class NgramProposer:
 
     needs_hidden_states = False
     drafts_at_prefill = True  # it needs nothing but the tokens: the step that completes a prompt can verify a draft
-    reports_match_length = True  # its drafts carry their match length (the policy's switch-off decides per length)
+    reports_match_length = True  # its drafts carry their match length (the policy's classes where the pool is off)
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3, min_token_prob: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
