@@ -245,9 +245,16 @@ class PolicyProposer:
     def step_limit(self, batch_size: int) -> int:
         """The most draft tokens any request may draft this step at this running batch size, decided once for the
         running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`."""
-        if batch_size > self.config.max_batch_for_speculation or not self.pays(batch_size):
+        if self.gated(batch_size) or not self.pays(batch_size):
             return 0
         return self.useful_positions(batch_size)
+
+    def gated(self, batch_size: int) -> bool:
+        """The batch gate: nobody speculates at this running batch size, past max_batch_for_speculation or where a
+        draft token costs a whole step (with the switch-off on: no acceptance pays)."""
+        cfg = self.config
+        return (batch_size > cfg.max_batch_for_speculation
+                or cfg.min_acceptance_rate > 0 and cfg.break_even(batch_size) >= 1)
 
     def draft_len(self, state: _RequestPolicy, inp: ProposalInput, limit: int) -> int:
         """K for this request (`state`: what the policy remembers of it) this step (0 = decode plainly), at most the
@@ -266,8 +273,6 @@ class PolicyProposer:
         """Whether the running requests' evidence so far clears the switch-off bar at this batch size: their accepted
         tokens cover what their steps cost (`PolicyConfig.tokens_needed`)."""
         cfg = self.config
-        if cfg.min_acceptance_rate > 0 and cfg.break_even(batch_size) >= 1:
-            return False  # a draft token costs a whole step: no acceptance pays
         # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence;
         # finished requests' evidence fills what the running ones lack of the window
         window = cfg.window * cfg.num_draft_tokens
@@ -362,11 +367,10 @@ class PolicyProposer:
         self.match_accepted = [x * PAST_EVIDENCE_DECAY for x in self.match_accepted]
         for request_id, generated in zip(request_ids, num_generated):
             self._state(request_id).answer_started = generated > 0
-        cfg, batch_size = self.config, len(self.requests)
+        batch_size = len(self.requests)
         limit = self.step_limit(batch_size)
         # the pool switched off (not gated): the match classes decide each draft (`_class_drafts`)
-        self._by_class = (limit == 0 and self.by_match_length and batch_size <= cfg.max_batch_for_speculation
-                          and cfg.break_even(batch_size) < 1)
+        self._by_class = limit == 0 and self.by_match_length and not self.gated(batch_size)
         return limit
 
     def _nobody_asked(self, limit: int) -> bool:
@@ -405,10 +409,12 @@ class PolicyProposer:
         batch_size = len(self.requests)
         limited = [replace(inp, num_tokens=self.draft_len(state, inp, self.config.max_draft_tokens))
                    for state, inp in zip(states, inputs)]
-        drafts = []
+        drafts, limits = [], {}  # limits: each class's, once a step (`class_limit` bisects its bounds)
         for state, draft in zip(states, self.inner.propose(limited)):
             match_class = _match_class(draft.match_length) if draft.match_length else None
-            tokens = draft.token_ids[:self.class_limit(match_class, batch_size)] if match_class is not None else []
+            if match_class is not None and match_class not in limits:
+                limits[match_class] = self.class_limit(match_class, batch_size)
+            tokens = draft.token_ids[:limits[match_class]] if match_class is not None else []
             state.chain, state.probe_for, state.by_class = True, 0, True
             state.match_class = match_class if tokens else None
             drafts.append(replace(draft, token_ids=tokens))
