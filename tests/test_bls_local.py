@@ -401,7 +401,8 @@ def test_a_stream_interval_sends_the_first_token_alone_then_one_answer_per_call_
         client = RecordingClient(LocalModelClient({"tensorrt_llm": lookup_runner} if engine_lookup else runners))
         _, chunks = run_chunks(SpeculativeDecoder(settings, client, Rounds()), tokenizer, settings, text, max_tokens, k)
         sizes = [len(c.token_ids) for c in chunks if c.token_ids]
-        results[interval] = [t for c in chunks for t in c.token_ids], chunks[-1].stats, sizes, [(n, on) for _, n, on in client.streams]
+        calls = [(n, streaming) for _, n, streaming in client.streams]
+        results[interval] = [t for c in chunks for t in c.token_ids], chunks[-1].stats, sizes, calls
     tokens, stats, sizes, calls = results[4]
     assert tokens == results[1][0] and len(tokens) == max_tokens
     assert calls[0] == (1, False) and all(n <= 4 and not streaming for n, streaming in calls[1:])
