@@ -7,7 +7,8 @@
 // vpmaddubsw, whose 16-bit pair sums saturate (a grid value of 254 times two weights of 127 is 64516); here both
 // sides are widened to 16 bits first and multiplied with vpmaddwd, whose pair sums land in 32 bits exactly.
 // The weights are read once per call whatever the row count: each 8-channel group's weights (K * 8 bytes, in L1
-// after the first block of rows) are widened in registers and applied to up to 6 rows at once.
+// after the first block of rows) are widened in registers and applied to up to 6 rows at once, a call's rows split
+// into blocks of as equal sizes as 6 allows (8 rows: 4 + 4, not 6 + 2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,6 +23,7 @@ namespace {
 
 constexpr int64_t GROUP = 8;    // output channels per packed group: [K4, 8, 4] int8, 32 bytes per k quad
 constexpr int MAX_ROWS = 6;     // rows per register block: 6 x 2 accumulators + 2 weight registers + 2 temporaries
+                                // = all 16 ymm registers (see group_rows for how they stay there)
 // Software prefetch this many bytes of the group's weights ahead (the hardware prefetchers see one sequential
 // stream per group; measured in docs/benchmarks.md)
 constexpr int64_t PREFETCH_BYTES = 1024;
@@ -48,6 +50,11 @@ void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* o
       const __m256i a = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(xs + r * Kp + k4 * 4));
       acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, a));
       acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, a));
+      // From 4 rows, gcc 12 loaded every row's broadcast first and so kept 9 of 6 rows' 12 accumulators on the
+      // stack (a store and a load per madd); this empty asm pins row r's adds before row r + 1's load, so the
+      // loop holds all of them in registers: 6 rows' calls 1.3-1.5x faster on Zen3 (docs/benchmarks.md). Below
+      // 4 rows nothing spilled and the pin only kept gcc from interleaving quads (1 row: 1.6x slower).
+      if constexpr (R >= 4) __asm__ volatile("" : "+x"(acc[r][0]), "+x"(acc[r][1]));
     }
   }
   const int64_t valid = std::min<int64_t>(GROUP, N - n0);
@@ -93,10 +100,13 @@ void gemm_groups(const int16_t* qp, int64_t M, int64_t Kp, const int8_t* wp, con
                  float* op, int64_t N, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
     const int8_t* w = wp + g * Kp * GROUP;
-    for (int64_t m = 0; m < M; m += MAX_ROWS) {
+    const int64_t blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    for (int64_t b = 0, m = 0; b < blocks; ++b) {
+      const int64_t rows = (M - m) / (blocks - b);
       const int16_t* xr = qp + m * Kp;
       float* orow = op + m * N;
-      switch (std::min<int64_t>(MAX_ROWS, M - m)) {
+      m += rows;
+      switch (rows) {
         case 1: group_rows<1>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
         case 2: group_rows<2>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
         case 3: group_rows<3>(xr, Kp, w, off, mul, orow, N, g * GROUP); break;
