@@ -23,11 +23,17 @@ EARLY_STOP_RISK = 0.05
 
 def acceptance_upper_bound(accepted: float, checked: float, risk: float) -> float:
     """The largest acceptance probability p that `accepted` of `checked` independent positions do not rule out at
-    `risk`: Chernoff's bound checked * KL(accepted / checked || p) <= ln(1 / risk), found by bisection."""
-    observed, limit = accepted / checked, math.log(1 / risk) / checked
+    `risk`: Chernoff's bound checked * KL(accepted / checked || p) <= ln(1 / risk), found by bisection.
+
+    Faded evidence (`accepted` and `checked` both decayed) can put accepted / checked an ulp off its true value, below
+    0 or 1: the observed rate is clamped, and the bisection stops where its midpoint rounds to 1 (the bound is then 1;
+    KL at q = 1 divides by zero)."""
+    observed, limit = min(max(accepted / checked, 0.0), 1.0), math.log(1 / risk) / checked
     low, high = observed, 1.0
     for _ in range(30):  # to 1e-9
         mid = (low + high) / 2
+        if mid >= 1.0:
+            break
         if _bernoulli_kl(observed, mid) > limit:
             high = mid
         else:

@@ -28,6 +28,21 @@ def test_the_upper_bound_of_nothing_accepted_is_chernoffs():
     assert 0.5 < acceptance_upper_bound(5, 10, EARLY_STOP_RISK) < acceptance_upper_bound(5, 10, 0.001) < 1
 
 
+def test_the_upper_bound_takes_faded_evidence_an_ulp_off():
+    """Evidence faded by multiplications can read accepted / checked an ulp below 1 (or above, or below 0). The
+    bisection's midpoint then rounds to 1, where KL divides by zero: that raised ZeroDivisionError inside an engine
+    step of the served lookup (2026-12-06: every request of the step failed). The observed rate is clamped and the
+    bound is 1 (or the zero-acceptance bound) there."""
+    assert acceptance_upper_bound(1 - 2**-53, 1.0, EARLY_STOP_RISK) == 1.0
+    assert acceptance_upper_bound(1 + 2**-52, 1.0, EARLY_STOP_RISK) == 1.0
+    assert acceptance_upper_bound(-2**-60, 1.0, EARLY_STOP_RISK) == acceptance_upper_bound(0, 1.0, EARLY_STOP_RISK)
+    accepted = checked = 0.0
+    for step in range(2000):  # the engine's class evidence: one position a step, all accepted, faded each step
+        checked, accepted = checked * 0.99 + 1, accepted * 0.99 + (step >= 0)
+        for observed in (accepted, checked - accepted):
+            assert 0 <= acceptance_upper_bound(observed, checked, EARLY_STOP_RISK) <= 1
+
+
 def test_a_costly_draft_starts_from_one_token_probes_and_a_hopeless_one_backs_off_early():
     """A draft token costs 0.6 of a plain step. Each rejected probe of one token stands for the draft of 4 it cut:
     after one, a position's acceptance may still be 0.95 (3.5 tokens from a draft of 4, above the 2.4 it costs); after
