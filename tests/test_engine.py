@@ -338,6 +338,37 @@ def test_proposer_tree_drafts_equal_plain_greedy(model):
     assert max(proposer.hidden_rows) >= min(len(p) for p in ps)  # after prefill: the prompt rows
 
 
+class FlakyProposer(NgramProposer):
+    """Prompt lookup that raises on every third propose call (a drafting bug; the policy's ZeroDivisionError of
+    2026-12-06 failed every request of a served step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, inputs):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise ZeroDivisionError("float division by zero")
+        return super().propose(inputs)
+
+
+def test_a_raising_proposer_costs_its_steps_drafts_not_the_requests(model, caplog):
+    """Where drafting raises, the step's requests run without drafts: every request finishes with plain greedy's
+    tokens, the failures are counted, and the error is logged once."""
+    ps = [p * 3 for p in prompts(4, seed=15, lo=4, hi=12)]  # repetitive prompts: prompt lookup hits
+    joins = {i: [Request(str(i), p, max_new_tokens=25)] for i, p in enumerate(ps)}
+    plain = run(make_engine(model), joins)
+    engine = make_engine(model, FlakyProposer(), max_draft_len=4)
+    with caplog.at_level("WARNING", logger="pipeline.reference.engine"):
+        spec = run(engine, {i: [Request(str(i), p, max_new_tokens=25)] for i, p in enumerate(ps)})
+    assert {k: (v["tokens"], v["reason"]) for k, v in spec.items()} == {k: (v["tokens"], v["reason"])
+                                                                        for k, v in plain.items()}
+    assert engine.stats.proposer_errors >= 2 and engine.stats.spec.accepted_tokens > 0
+    assert [r.getMessage() for r in caplog.records].count(
+        "the proposer raised ZeroDivisionError: float division by zero; this step's requests run without drafts") == 1
+
+
 # ------------------------------------------------------------------ bad inputs
 
 @pytest.mark.parametrize("field, request_kwargs", [

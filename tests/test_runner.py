@@ -8,7 +8,6 @@ import pytest
 
 from pipeline.reference.engine import EngineConfig, EngineInputError, LLMEngine, Request
 from pipeline.reference.model import LlamaModel
-from pipeline.reference.proposers import Draft
 from pipeline.reference.runner import EngineRunner
 from tests.test_engine import prompts, run
 
@@ -72,32 +71,25 @@ def test_cancel_bad_input_and_close(model):
         runner.submit(Request("late", [1], max_new_tokens=1))
 
 
-class FailsOnceProposer:
-    """A proposer that raises on its first call, as a buggy drafter would."""
+class FailsOnceEngine(LLMEngine):
+    """An LLMEngine whose second step raises, as a failing forward would (a raising proposer no longer fails a step:
+    tests/test_engine.py)."""
 
-    needs_hidden_states = False
+    steps_seen = 0
 
-    def __init__(self):
-        self.failed = False
-
-    def propose(self, inputs):
-        if not self.failed:
-            self.failed = True
-            raise RuntimeError("draft model crashed")
-        return [Draft([]) for _ in inputs]
-
-    def update(self, request_id, num_accepted, num_proposed):
-        pass
-
-    def release(self, request_id):
-        pass
+    def step(self):
+        self.steps_seen += 1
+        if self.steps_seen == 2:
+            raise RuntimeError("forward crashed")
+        return super().step()
 
 
 def test_failing_step_errors_its_requests_and_runner_keeps_serving(model):
-    runner = EngineRunner(engine_for(model, FailsOnceProposer(), max_draft_len=2))
+    engine = FailsOnceEngine(model, EngineConfig(tokens_per_block=16, batch_invariant=True))
+    runner = EngineRunner(engine)
     first = runner.submit(Request("first", [1, 2, 3], max_new_tokens=5))
     tokens, reason, error = drain(first)
-    assert reason == "error" and "draft model crashed" in error
+    assert reason == "error" and "forward crashed" in error
     second = drain(runner.submit(Request("second", [1, 2, 3], max_new_tokens=5)))
     assert second[1] == "length" and len(second[0]) == 5
     runner.close()

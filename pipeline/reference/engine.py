@@ -17,6 +17,7 @@ later requests with the prefix.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from pipeline.reference.tree import chain_parents, node_depths, path_to
 from pipeline.seeds import ROLE_PROPOSER, derive_seed
 from pipeline.sequences import find_stop
 from pipeline.spec_stats import SpecStats
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]
@@ -114,6 +117,7 @@ class EngineStats:
     computed_tokens: int = 0  # tokens that went through the model (prefix-cache hits excluded)
     cached_prompt_tokens: int = 0  # prompt tokens served from reused KV blocks
     preemptions: int = 0
+    proposer_errors: int = 0  # steps whose drafting raised and ran without drafts (LLMEngine._propose)
     spec: SpecStats = field(default_factory=SpecStats)  # summed over finished requests
 
 
@@ -185,6 +189,7 @@ class LLMEngine:
         self.running: list[_Sequence] = []
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
+        self._proposer_errors_logged: set[str] = set()  # see _propose
 
     def _fused_layers_run_every_forward(self) -> bool:
         """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
@@ -359,10 +364,27 @@ class LLMEngine:
 
     def _propose(self, seqs: list[_Sequence]) -> list[Draft]:
         """Drafts for running requests from the proposer (empty drafts when there is none, or where its gate,
-        `skips_step` (the policy's), says nobody drafts this step: then no inputs are built)."""
+        `skips_step` (the policy's), says nobody drafts this step: then no inputs are built).
+
+        Drafting is an optimization: where the proposer (or its gate) raises, this step's requests run without
+        drafts (counted in stats.proposer_errors, each distinct error logged once) instead of the step failing
+        every request in it. Plain decoding's tokens are what speculation would have produced."""
+        if self.proposer is None or not seqs:
+            return [Draft(token_ids=[]) for _ in seqs]
+        try:
+            return self._proposer_drafts(seqs)
+        except Exception as exc:
+            self.stats.proposer_errors += 1
+            message = f"{type(exc).__name__}: {exc}"
+            if message not in self._proposer_errors_logged:
+                self._proposer_errors_logged.add(message)
+                log.warning("the proposer raised %s; this step's requests run without drafts", message, exc_info=True)
+            return [Draft(token_ids=[]) for _ in seqs]
+
+    def _proposer_drafts(self, seqs: list[_Sequence]) -> list[Draft]:
+        """`_propose` where a proposer runs: empty drafts where its gate says nobody drafts this step, else its drafts."""
         gate = getattr(self.proposer, "skips_step", None)
-        if self.proposer is None or not seqs or (
-                gate is not None and gate([s.request.request_id for s in seqs], [s.num_generated for s in seqs])):
+        if gate is not None and gate([s.request.request_id for s in seqs], [s.num_generated for s in seqs]):
             return [Draft(token_ids=[]) for _ in seqs]
         inputs = []
         for seq in seqs:
