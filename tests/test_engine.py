@@ -355,7 +355,7 @@ class FlakyProposer(NgramProposer):
 
 def test_a_raising_proposer_costs_its_steps_drafts_not_the_requests(model, caplog):
     """Where drafting raises, the step's requests run without drafts: every request finishes with plain greedy's
-    tokens, the failures are counted, and the error is logged once."""
+    tokens, the failures are counted, and the error is logged once (the first of its type)."""
     ps = [p * 3 for p in prompts(4, seed=15, lo=4, hi=12)]  # repetitive prompts: prompt lookup hits
     joins = {i: [Request(str(i), p, max_new_tokens=25)] for i, p in enumerate(ps)}
     plain = run(make_engine(model), joins)

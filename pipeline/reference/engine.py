@@ -189,7 +189,7 @@ class LLMEngine:
         self.running: list[_Sequence] = []
         self.stats = EngineStats()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
-        self._proposer_errors_logged: set[str] = set()  # see _propose
+        self._proposer_errors_logged: set[type] = set()  # see _propose
 
     def _fused_layers_run_every_forward(self) -> bool:
         """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
@@ -367,7 +367,7 @@ class LLMEngine:
         `skips_step` (the policy's), says nobody drafts this step: then no inputs are built).
 
         Drafting is an optimization: where the proposer (or its gate) raises, this step's requests run without
-        drafts (counted in stats.proposer_errors, each distinct error logged once) instead of the step failing
+        drafts (counted in stats.proposer_errors, the first error of each type logged) instead of the step failing
         every request in it. Plain decoding's tokens are what speculation would have produced."""
         if self.proposer is None or not seqs:
             return [Draft(token_ids=[]) for _ in seqs]
@@ -375,14 +375,15 @@ class LLMEngine:
             return self._proposer_drafts(seqs)
         except Exception as exc:
             self.stats.proposer_errors += 1
-            message = f"{type(exc).__name__}: {exc}"
-            if message not in self._proposer_errors_logged:
-                self._proposer_errors_logged.add(message)
-                log.warning("the proposer raised %s; this step's requests run without drafts", message, exc_info=True)
+            if type(exc) not in self._proposer_errors_logged:  # by type: a message may differ every step
+                self._proposer_errors_logged.add(type(exc))
+                log.warning("the proposer raised %s: %s; this step's requests run without drafts", type(exc).__name__,
+                            exc, exc_info=True)
             return [Draft(token_ids=[]) for _ in seqs]
 
     def _proposer_drafts(self, seqs: list[_Sequence]) -> list[Draft]:
-        """`_propose` where a proposer runs: empty drafts where its gate says nobody drafts this step, else its drafts."""
+        """`_propose` where a proposer runs: empty drafts where its gate says nobody drafts this step, else its
+        drafts."""
         gate = getattr(self.proposer, "skips_step", None)
         if gate is not None and gate([s.request.request_id for s in seqs], [s.num_generated for s in seqs]):
             return [Draft(token_ids=[]) for _ in seqs]

@@ -190,9 +190,10 @@ def _at_batch(points: tuple[tuple[int, float], ...], batch_size: int) -> float:
     return points[-1][1]
 
 
-def _match_class(match_length: int) -> int:
-    """The class of a match length (MATCH_CLASSES): 1 -> 0, 2-3 -> 1, 4-7 -> 2, 8-15 -> 3, the cap (16) -> 4."""
-    return min(match_length, MATCH_LENGTH_CAP).bit_length() - 1
+def _match_class(draft: Draft) -> int | None:
+    """The class of a draft's match length (MATCH_CLASSES): 1 -> 0, 2-3 -> 1, 4-7 -> 2, 8-15 -> 3, the cap (16) -> 4;
+    None for a draft without one."""
+    return min(draft.match_length, MATCH_LENGTH_CAP).bit_length() - 1 if draft.match_length else None
 
 
 @dataclass
@@ -399,8 +400,7 @@ class PolicyProposer:
         drafts = self.inner.propose(limited)
         for state, draft in zip(states, drafts):
             state.chain, state.by_class = draft.parents is None, False
-            reports = self.by_match_length and draft.match_length
-            state.match_class = _match_class(draft.match_length) if reports else None
+            state.match_class = _match_class(draft) if self.by_match_length else None
         return [d if inp.num_tokens > 0 else Draft(token_ids=[]) for d, inp in zip(drafts, limited)]
 
     def _class_drafts(self, inputs: list[ProposalInput], states: list[_RequestPolicy]) -> list[Draft]:
@@ -411,7 +411,7 @@ class PolicyProposer:
                    for state, inp in zip(states, inputs)]
         drafts, limits = [], {}  # limits: each class's, once a step (`class_limit` bisects its bounds)
         for state, draft in zip(states, self.inner.propose(limited)):
-            match_class = _match_class(draft.match_length) if draft.match_length else None
+            match_class = _match_class(draft)
             if match_class is not None and match_class not in limits:
                 limits[match_class] = self.class_limit(match_class, batch_size)
             tokens = draft.token_ids[:limits[match_class]] if match_class is not None else []
