@@ -11,10 +11,11 @@ test_compiled.py checks the engine's greedy and speculative tokens with them on)
 import pytest
 import torch
 
-from pipeline.reference import bf16_weight_gemm, compiled, cpp_ops, fused_layers, int8_grid_gemm, row_attention
+from pipeline.reference import (bf16_weight_gemm, compiled, cpp_ops, fp16_weight_gemm, fused_layers, int8_grid_gemm,
+                                row_attention)
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, dense_linear_op,
+from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, Float16Weights, dense_linear_op,
                                         intra_op_threads)
 from pipeline.reference import model as model_module
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -113,20 +114,31 @@ def test_greedy_chains_draft_what_forward_by_forward_drafting_drafts(tiny_llama)
         torch.testing.assert_close(chained.kv.v[:, slots], looped.kv.v[:, slots], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(bf16_weight_gemm.kernel() is None, reason="no AVX512-BF16 on this CPU")
+HALF_HEADS = [pytest.param(BFloat16Weights, bf16_weight_gemm, marks=pytest.mark.skipif(
+                  bf16_weight_gemm.kernel() is None, reason="no AVX512-BF16 on this CPU")),
+              pytest.param(Float16Weights, fp16_weight_gemm, marks=pytest.mark.skipif(
+                  fp16_weight_gemm.kernel() is None, reason="no AVX2 on this CPU"))]
+
+
+@pytest.mark.parametrize("layer, kernel", HALF_HEADS)
 @pytest.mark.parametrize("chains", [True, False])
-def test_a_draft_proposes_from_its_bf16_output_layer_and_a_target_keeps_float32(tiny_llama, chains):
-    """A model given to DraftModelProposer runs its output layer on the bf16 kernel (its logits only propose), in the
-    one-call chains and forward by forward alike; a model that is not a draft keeps DenseLinear. The draft's bf16
-    weights are swapped for ones that leave two tokens a logit each (opposite signs, the rest 0): every proposal is one
-    of the two, which the float32 weights would not give."""
+def test_a_draft_proposes_from_its_16_bit_output_layer_and_a_target_keeps_float32(tiny_llama, chains, layer, kernel,
+                                                                                 monkeypatch):
+    """A model given to DraftModelProposer runs its output layer on 16-bit weights (its logits only propose): the bf16
+    kernel where it runs, else the fp16 kernel (AVX2 hosts), in the one-call chains and forward by forward alike; a
+    model that is not a draft keeps DenseLinear. The draft's 16-bit weights are swapped for ones that leave two
+    tokens a logit each (opposite signs, the rest 0): every proposal is one of the two, which the float32 weights
+    would not give."""
+    if layer is Float16Weights:
+        monkeypatch.setattr(bf16_weight_gemm, "kernel", lambda: None)  # a host without AVX512-BF16
     target, draft = LlamaModel.from_hf(tiny_llama), LlamaModel.from_hf(tiny_llama)
     proposer = DraftModelProposer(draft, max_batch_size=1, max_seq_len=128)
     proposer.greedy_chains = chains
-    assert isinstance(draft.lm_head_linear, BFloat16Weights) and isinstance(target.lm_head_linear, DenseLinear)
+    assert isinstance(draft.lm_head_linear, layer) and isinstance(target.lm_head_linear, DenseLinear)
+    assert draft.fused_layers.lm_head is draft.lm_head_linear  # the chains run it too
     two_tokens = torch.zeros_like(draft.lm_head)
     two_tokens[5], two_tokens[9] = draft.lm_head[7], -draft.lm_head[7]
-    draft.lm_head_linear.kernel.packed = bf16_weight_gemm.pack(two_tokens)
+    draft.lm_head_linear.kernel.packed = kernel.pack(two_tokens)
     tokens = proposer.propose([ProposalInput("r", list(range(3, 20)), 4)])[0].token_ids
     assert len(tokens) == 4 and set(tokens) <= {5, 9}
 

@@ -5,9 +5,9 @@ brings every request up to date (the committed tokens its cache lacks, at least 
 yields its first draft token; each further forward adds one draft token per request still short. On fused
 layers (a dense float32 draft) the greedy requests' forwards run in one C++ call (`FusedDenseLayers.greedy_chains`:
 the same layers, output layer and argmax), as a forward's plan and calls from Python cost about as much as a
-small draft's arithmetic, a prompt-long feed included. The draft's output layer runs on the bf16 kernel where the
-CPU has one (`linear.draft_output_layer`: the proposer sets it on the model it is given): its logits only propose,
-and a float32 output layer was about a third of the trained draft's chain.
+small draft's arithmetic, a prompt-long feed included. The draft's output layer runs on 16-bit weights where the
+CPU has a kernel for them, bf16 or else fp16 (`linear.draft_output_layer`: the proposer sets it on the model it is
+given): its logits only propose, and a float32 output layer was about a third of the trained draft's chain.
 The draft cache never needs an explicit rollback: it remembers which tokens its KV holds, and the
 next call keeps only the prefix that agrees with the committed tokens (rejected drafts fall away).
 Greedy requests get argmax drafts; sampled ones (temperature > 0) get tokens sampled from the
@@ -59,7 +59,7 @@ class DraftModelProposer:
     def __init__(self, model: LlamaModel, max_batch_size: int = 8, max_seq_len: int = 2048,
                  tokens_per_block: int = TOKENS_PER_BLOCK):
         self.model = model
-        model.lm_head_linear = draft_output_layer(model.lm_head_linear)  # bf16 where it runs: the logits only propose
+        model.lm_head_linear = draft_output_layer(model.lm_head_linear)  # 16-bit where it runs: the logits only propose
         num_blocks = max_batch_size * -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size
         self.kv = model.new_kv_cache(num_blocks, tokens_per_block)
         if model.fused_layers is None:

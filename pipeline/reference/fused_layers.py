@@ -35,8 +35,8 @@ import logging
 import torch
 
 from pipeline.reference import cpp_ops, greedy_tokens, int8_grid_gemm, row_attention
-from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, BFloat16Weights, DenseLinear, Int8PerToken,
-                                        intra_op_threads)
+from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, ONEDNN_ROWS, BFloat16Weights, DenseLinear, Float16Weights,
+                                        Int8PerToken, intra_op_threads)
 
 ENV = "REFERENCE_FUSED_LAYERS"  # "0": models run their layers eager or compiled
 BUILD = cpp_ops.Build("fused_layers", "fused_layers", ("-O3", "-ffp-contract=off"), lambda: True)
@@ -76,12 +76,14 @@ class FusedDenseLayers:
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
 
     @property
-    def lm_head(self) -> BFloat16Weights | DenseLinear | None:
-        """greedy_chains' output layer: the model's as it is now, run as it runs: a draft's BFloat16Weights
-        (draft_output_layer) or a bias-free DenseLinear; None for a biased or other output layer (the proposer's
-        forward-by-forward loop runs those)."""
+    def lm_head(self) -> BFloat16Weights | Float16Weights | DenseLinear | None:
+        """greedy_chains' output layer: the model's as it is now, run as it runs: a draft's BFloat16Weights or
+        Float16Weights on the fp16 kernel (draft_output_layer), or a bias-free DenseLinear; None for a biased or other
+        output layer (the proposer's forward-by-forward loop runs those)."""
         head = self.model.lm_head_linear
-        chainable = isinstance(head, BFloat16Weights) or isinstance(head, DenseLinear) and head.bias is None
+        chainable = (isinstance(head, BFloat16Weights)
+                     or isinstance(head, Float16Weights) and head.kernel is not None and head.bias is None
+                     or isinstance(head, DenseLinear) and head.bias is None)
         return head if chainable else None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, plan) -> torch.Tensor:
@@ -101,13 +103,15 @@ class FusedDenseLayers:
         feed included (the model's own forward of more rows would run on torch's thread count)."""
         m, head, bs = self.model, self.lm_head, kv.block_size
         bf16 = head.kernel.packed if isinstance(head, BFloat16Weights) else torch.empty(0)
+        fp16 = head.kernel.packed if isinstance(head, Float16Weights) else torch.empty(0)
+        weight = head.weight if isinstance(head, DenseLinear) else m.lm_head  # a 16-bit head's: its row count alone
         packed = head.packed if isinstance(head, DenseLinear) else None  # its oneDNN weight for 2-16 rows
         blocks = [b for feed, c, n, table in zip(feeds, cached, counts, block_tables)  # the blocks each chain writes
                   for b in table[:-(-(c + len(feed) + n - 1) // bs)]]
         with intra_op_threads(m.decode_threads):
             drafts = torch.ops.specdeploy.dense_greedy_chains(
                 [t for feed in feeds for t in feed], [len(feed) for feed in feeds], cached, counts, blocks, bs, m.embed,
-                head.weight, bf16, torch.empty(0) if packed is None else packed, ONEDNN_ROWS.start,
+                weight, bf16, fp16, torch.empty(0) if packed is None else packed, ONEDNN_ROWS.start,
                 ONEDNN_ROWS.stop - 1, m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm,
                 m.num_heads, m.num_kv_heads, m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,
                 "" if greedy_tokens.kernel() is None else "specdeploy::greedy_tokens")  # [B, max(counts)]

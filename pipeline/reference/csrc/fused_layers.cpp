@@ -392,17 +392,18 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
 
 
 // The output layer x [R, hidden] -> logits [R, vocab] as the draft's Python output layer runs it
-// (pipeline/reference/linear.py): BFloat16Weights, the bf16 kernel on its packed weight (`bf16`, empty: none); else
-// DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows
+// (pipeline/reference/linear.py): BFloat16Weights, the bf16 kernel on its packed weight (`bf16`, empty: none);
+// Float16Weights, the fp16 kernel on its packed weight (`fp16`, empty: none); else DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows
 // (`onednn_linear`: 2 rows run as 3, the third zero, which oneDNN computes faster), else `linear` on `weight` (MKL:
 // the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in 162 ms
 // on at::linear against 94 forward by forward on oneDNN.
-at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bf16, const at::Tensor& packed,
-                        int64_t min_rows, int64_t max_rows, int64_t split_min_bytes) {
-  if (bf16.numel() > 0) {
-    static const c10::OperatorHandle gemm = find_op("specdeploy::bf16_weight_gemm");
-    std::vector<c10::IValue> stack{x.to(at::kBFloat16), bf16, weight.size(0)};
-    gemm.callBoxed(stack);
+at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bf16, const at::Tensor& fp16,
+                        const at::Tensor& packed, int64_t min_rows, int64_t max_rows, int64_t split_min_bytes) {
+  if (bf16.numel() > 0 || fp16.numel() > 0) {
+    const bool is_bf16 = bf16.numel() > 0;  // the op looked up where used: the bf16 build needs AVX512-BF16
+    std::vector<c10::IValue> stack{is_bf16 ? x.to(at::kBFloat16) : x.contiguous(), is_bf16 ? bf16 : fp16,
+                                   weight.size(0)};
+    find_op(is_bf16 ? "specdeploy::bf16_weight_gemm" : "specdeploy::fp16_weight_gemm").callBoxed(stack);
     return stack[0].toTensor();
   }
   if (packed.numel() == 0 || x.size(0) < min_rows || x.size(0) > max_rows)
@@ -494,7 +495,8 @@ struct RowPlan {
 at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> feed_counts, std::vector<int64_t> cached,
                                std::vector<int64_t> counts, std::vector<int64_t> blocks, int64_t block_size,
                                at::Tensor embed,
-                               at::Tensor lm_head, at::Tensor lm_head_bf16, at::Tensor lm_head_packed,
+                               at::Tensor lm_head, at::Tensor lm_head_bf16, at::Tensor lm_head_fp16,
+                               at::Tensor lm_head_packed,
                                int64_t packed_min_rows, int64_t packed_max_rows, at::Tensor rope_cos,
                                at::Tensor rope_signed_sin, std::vector<at::Tensor> weights, at::Tensor k, at::Tensor v,
                                at::Tensor final_norm, int64_t heads, int64_t kv_heads, double eps, double scale,
@@ -538,7 +540,7 @@ at::Tensor dense_greedy_chains(std::vector<int64_t> feed, std::vector<int64_t> f
                                            in.lengths, final_norm, heads, kv_heads, eps, scale, attention,
                                            split_min_bytes);  // [T, hidden]
     const at::Tensor rows = last_rows.size() == plan.tokens.size() ? hidden : gather_rows(hidden, last_rows, "hidden");
-    const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_packed, packed_min_rows,
+    const at::Tensor logits = output_layer(rows, lm_head, lm_head_bf16, lm_head_fp16, lm_head_packed, packed_min_rows,
                                            packed_max_rows, split_min_bytes);  // [requests, vocab]
     const at::Tensor next = argmax_op ? argmax_op->call(logits) : logits.argmax(-1);
     const int64_t* np = next.data_ptr<int64_t>();
@@ -840,7 +842,7 @@ TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
         "float eps, float scale, str attention, int split_min_bytes) -> Tensor", &dense_layers);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int split_min_bytes) -> Tensor", &dense_linear);
   m.def("dense_greedy_chains(int[] feed, int[] feed_counts, int[] cached, int[] counts, int[] blocks, "
-        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, "
+        "int block_size, Tensor embed, Tensor lm_head, Tensor lm_head_bf16, Tensor lm_head_fp16, "
         "Tensor lm_head_packed, int packed_min_rows, int packed_max_rows, Tensor rope_cos, Tensor rope_signed_sin, "
         "Tensor[] weights, Tensor(a!) k, Tensor(b!) v, Tensor final_norm, int heads, int kv_heads, float eps, "
         "float scale, str attention, int split_min_bytes, str greedy) -> Tensor", &dense_greedy_chains);
