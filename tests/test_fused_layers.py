@@ -15,8 +15,8 @@ from pipeline.reference import (bf16_weight_gemm, compiled, cpp_ops, fp16_weight
                                 row_attention)
 from pipeline.reference.draft_model import DraftModelProposer
 from pipeline.reference.engine import LLMEngine
-from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, Float16Weights, dense_linear_op,
-                                        intra_op_threads)
+from pipeline.reference.linear import (ONE_ROW_SPLIT_BYTES, BFloat16Weights, DenseLinear, Float16Weights,
+                                        dense_linear_op, intra_op_threads)
 from pipeline.reference import model as model_module
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import ProposalInput

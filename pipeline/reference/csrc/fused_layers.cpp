@@ -393,10 +393,11 @@ at::Tensor dense_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vecto
 
 // The output layer x [R, hidden] -> logits [R, vocab] as the draft's Python output layer runs it
 // (pipeline/reference/linear.py): BFloat16Weights, the bf16 kernel on its packed weight (`bf16`, empty: none);
-// Float16Weights, the fp16 kernel on its packed weight (`fp16`, empty: none); else DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <= max_rows
-// (`onednn_linear`: 2 rows run as 3, the third zero, which oneDNN computes faster), else `linear` on `weight` (MKL:
-// the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in 162 ms
-// on at::linear against 94 forward by forward on oneDNN.
+// Float16Weights, the fp16 kernel on its packed weight (`fp16`, empty: none); for both `weight` gives only the row
+// count. Else DenseLinear, oneDNN's GEMM on the weight prepacked for it (`packed`, empty: none) for min_rows <= R <=
+// max_rows (`onednn_linear`: 2 rows run as 3, the third zero, which oneDNN computes faster), else `linear` on `weight`
+// (MKL: the one-row F.linear, split over the threads). With 8 requests SmolLM2's 4-layer draft proposed 4 tokens in
+// 162 ms on at::linear against 94 forward by forward on oneDNN.
 at::Tensor output_layer(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bf16, const at::Tensor& fp16,
                         const at::Tensor& packed, int64_t min_rows, int64_t max_rows, int64_t split_min_bytes) {
   if (bf16.numel() > 0 || fp16.numel() > 0) {
