@@ -17,8 +17,8 @@ def model(tiny_llama):
     return LlamaModel.from_hf(tiny_llama)
 
 
-def engine_for(model, proposer=None, **overrides) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(**{"tokens_per_block": 16, "batch_invariant": True, **overrides}), proposer)
+def engine_for(model, proposer=None, engine_class=LLMEngine, **overrides) -> LLMEngine:
+    return engine_class(model, EngineConfig(**{"tokens_per_block": 16, "batch_invariant": True, **overrides}), proposer)
 
 
 def drain(q: queue.Queue, timeout: float = 60.0) -> tuple[list[int], str, str | None]:
@@ -85,8 +85,7 @@ class FailsOnceEngine(LLMEngine):
 
 
 def test_failing_step_errors_its_requests_and_runner_keeps_serving(model):
-    engine = FailsOnceEngine(model, EngineConfig(tokens_per_block=16, batch_invariant=True))
-    runner = EngineRunner(engine)
+    runner = EngineRunner(engine_for(model, engine_class=FailsOnceEngine))
     first = runner.submit(Request("first", [1, 2, 3], max_new_tokens=5))
     tokens, reason, error = drain(first)
     assert reason == "error" and "forward crashed" in error

@@ -238,7 +238,6 @@ class BFloat16Weights:
     batch_invariant = True
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # [vocab, hidden] float32, as the chain op takes it (its row count); not read per call
         self.kernel = bf16_weight_gemm.PackedBFloat16(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
