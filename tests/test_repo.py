@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -19,6 +20,10 @@ from pipeline.repo.launch import ORCHESTRATOR_ENV, render_launch_script, tritons
 from pipeline import stack
 from pipeline.repo.validate import RepoError, load_config, validate_repo
 from pipeline.limits import TOKENS_PER_BLOCK
+from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm
+from pipeline.reference.engine import Request
+from pipeline.reference.linear import DenseLinear, Float16Weights
+from pipeline.serving.reference_adapter import load_serving_engine
 from pipeline.spec import load_spec
 from specbuild.plan import make_plan
 from tests.fake_tritonserver import EXIT_STATUS, recorded_args, wait_for, write_fake_tritonserver
@@ -75,6 +80,36 @@ def test_tensors_match_nvidia_contract(reference_repo):
     assert ensemble.backend == "python" and ensemble.model_transaction_policy.decoupled
     assert dict(ensemble.parameters) == dict(bls.parameters)
     assert (repo / "ensemble" / "1" / "model.py").read_bytes() == (repo / "tensorrt_llm_bls" / "1" / "model.py").read_bytes()
+
+
+def test_the_served_draft_engine_runs_its_output_layer_in_16_bits(reference_repo, monkeypatch):
+    """The reference repository marks tensorrt_llm_draft engine_role draft (the target none), and the engine loaded
+    with those parameters runs the draft's float32 output layer on the fp16 kernel (a host without AVX512-BF16):
+    its weights swapped for ones that leave two tokens a logit each (opposite signs, the rest 0), a request's every
+    token is one of the two, which the float32 layer would not give. A role other than target or draft is refused by
+    name."""
+    if fp16_weight_gemm.kernel() is None:
+        pytest.skip("the fp16 kernel does not run here")
+    monkeypatch.setattr(bf16_weight_gemm, "kernel", lambda: None)
+    _, repo, _, _ = reference_repo
+    params = {name: {k: v.string_value for k, v in parse(repo / name / "config.pbtxt").parameters.items()}
+              for name in ("tensorrt_llm", "tensorrt_llm_draft")}
+    assert params["tensorrt_llm_draft"]["engine_role"] == "draft" and "engine_role" not in params["tensorrt_llm"]
+    engines = {name: load_serving_engine(p["gpt_model_path"], p) for name, p in params.items()}
+    draft = engines["tensorrt_llm_draft"].model
+    assert isinstance(draft.lm_head_linear, Float16Weights)
+    assert isinstance(engines["tensorrt_llm"].model.lm_head_linear, DenseLinear)
+    two_tokens = torch.zeros_like(draft.lm_head)
+    two_tokens[5], two_tokens[9] = draft.lm_head[7], -draft.lm_head[7]
+    draft.lm_head_linear.kernel.packed = fp16_weight_gemm.pack(two_tokens)
+    engine = engines["tensorrt_llm_draft"]
+    engine.add_request(Request("r", list(range(3, 20)), 6))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == 6 and set(tokens) <= {5, 9}
+    with pytest.raises(ValueError, match="engine_role"):
+        load_serving_engine(params["tensorrt_llm_draft"]["gpt_model_path"], {"engine_role": "drafter"})
 
 
 def test_trtllm_repo_parameters(trtllm_repo, tiny_spec_engines):

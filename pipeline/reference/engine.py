@@ -28,6 +28,7 @@ import torch
 from pipeline.limits import EngineLimits
 from pipeline.reference import compiled, decode_threads, fused_layers, greedy_tokens
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
+from pipeline.reference.linear import draft_output_layer
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 from pipeline.reference.rejection_sampler import DraftToVerify, verify
@@ -203,11 +204,13 @@ class LLMEngine:
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, proposer: Proposer | None = None, choices=None,
-                        dynamic_top_k: int | None = None, **config_overrides) -> "LLMEngine":
+                        dynamic_top_k: int | None = None, draft: bool = False, **config_overrides) -> "LLMEngine":
         """Load an engine directory (config.json + rank0.safetensors) with its build limits.
 
         choices / dynamic_top_k: the tree of a Medusa / EAGLE engine (see speculation.engine_proposer);
         given either, the engine speculates with the proposer built from its own stored weights.
+        draft: the engine serves a draft model (tensorrt_llm_draft), whose logits only propose: a float32 output layer
+        runs in 16 bits where a kernel for them runs (linear.draft_output_layer, as DraftModelProposer's draft does).
         """
         from pipeline.reference.checkpoint import load_engine
         from pipeline.reference.speculation import engine_proposer
@@ -216,6 +219,8 @@ class LLMEngine:
         engine_config = EngineConfig.from_engine_config(config, **config_overrides)
         pretrained = config.get("pretrained_config", config)
         model = LlamaModel(pretrained, state, batch_invariant=engine_config.batch_invariant)
+        if draft:
+            model.lm_head_linear = draft_output_layer(model.lm_head_linear)
         if proposer is None and (choices is not None or dynamic_top_k is not None):
             proposer = engine_proposer(pretrained, state, model, choices=choices, dynamic_top_k=dynamic_top_k,
                                        max_batch_size=engine_config.max_batch_size, max_seq_len=engine_config.max_seq_len)

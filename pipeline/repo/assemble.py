@@ -122,6 +122,8 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
                        f"{heads_field}_choices": _choices_brace(getattr(s, heads_field).choices)})
         if heads_field == "eagle" and toolchain_traits(toolchain).grows_eagle2_tree and s.eagle.version == 2:
             params["eagle_dynamic_tree_top_k"] = str(s.eagle.dynamic_tree_top_k)  # the reference engine grows EAGLE-2's tree
+    if name == "tensorrt_llm_draft" and toolchain_traits(toolchain).engines_built_here:
+        params["engine_role"] = "draft"  # the reference engine runs a draft's float32 output layer in 16 bits
     engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
     if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
         params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, costs.at_k),

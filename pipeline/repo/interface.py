@@ -65,12 +65,13 @@ EXTENSIONS: dict[str, Interface] = {
                                                                   "tensorrt_llm_draft_model_name"}),
     "tensorrt_llm_bls": Interface(inputs=(), outputs=(OUTPUT_IDS,), parameter_keys=BLS_PARAMETER_KEYS),
     # Reference toolchain only: the width of EAGLE-2's dynamic tree (the reference engine grows it; trtllm uses
-    # eagle_choices), batch_invariant (default true: exact greedy speculation, see load_serving_engine), and
+    # eagle_choices), batch_invariant (default true: exact greedy speculation, see load_serving_engine), engine_role
+    # (draft for tensorrt_llm_draft: its output layer may run in 16 bits, see load_serving_engine), and
     # prompt lookup inside the engine (toolchains.lookup_in_engine): its settings, and each request's K as the
     # input num_draft_tokens (0: plain decoding), which the BLS forwards.
     "tensorrt_llm": Interface(inputs=(ENGINE_DRAFT_LEN,), outputs=(), parameter_keys=frozenset({
-        "eagle_dynamic_tree_top_k", "batch_invariant", "speculative_mode", "num_draft_tokens", "ngram_min", "ngram_max",
-        "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "one_token_cost",
+        "eagle_dynamic_tree_top_k", "batch_invariant", "engine_role", "speculative_mode", "num_draft_tokens",
+        "ngram_min", "ngram_max", "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "one_token_cost",
         "max_batch_for_speculation"})),
 }
 # Inputs only an engine that runs prompt lookup itself reads (TensorRT-LLM's tensorrtllm backend has none of them).

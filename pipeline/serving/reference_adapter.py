@@ -225,12 +225,16 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     in its own step loop (`lookup_proposer`). `batch_invariant` ("true" unless set to "false"): every
     token's result is independent of the batch, so greedy speculative output equals plain greedy output
     and a request's answer does not depend on the others in flight (docs/engine.md, "Batch invariance":
-    what it costs per engine format).
-    """
+    what it costs per engine format). `engine_role` ("target" unless set): "draft" for tensorrt_llm_draft, whose
+    logits only propose, so a float32 output layer runs in 16 bits where a kernel for them runs
+    (LLMEngine.from_engine_dir)."""
     parameters = parameters or {}
     exact = parameters.get("batch_invariant", "true").strip().lower()
     if exact not in ("true", "false"):
         raise ValueError(f"parameter batch_invariant {parameters['batch_invariant']!r}: write true or false")
+    role = parameters.get("engine_role", "target").strip().lower()
+    if role not in ("target", "draft"):
+        raise ValueError(f"parameter engine_role {parameters['engine_role']!r}: write target or draft")
     build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
     top_k = parameters.get("eagle_dynamic_tree_top_k")
@@ -238,7 +242,8 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     lookup = lookup_proposer(parameters, build.get("max_draft_len", 0)) if ngram else None
     return MeteredEngine.from_engine_dir(engine_dir, proposer=lookup, max_input_len=build["max_seq_len"] - 1,
                                          choices=parse_choices(tree) if tree and not top_k else None,
-                                         dynamic_top_k=int(top_k) if top_k else None, batch_invariant=exact == "true")
+                                         dynamic_top_k=int(top_k) if top_k else None, draft=role == "draft",
+                                         batch_invariant=exact == "true")
 
 
 def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyProposer:
