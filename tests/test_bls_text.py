@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from pipeline.serving.errors import RequestError
-from pipeline.serving.params import BlsSettings, format_draft_token_costs, parse_draft_token_costs, parse_text_request
+from pipeline.serving.params import (BlsSettings, format_draft_token_costs, format_row_costs, parse_draft_token_costs,
+                                     parse_row_costs, parse_text_request)
 from pipeline.serving.text import (IncrementalDetokenizer, from_word_list_format, load_tokenizer, postprocess,
                                    preprocess, to_word_list_format)
 
@@ -78,6 +79,15 @@ def test_text_request_validation(tokenizer):
             parse_text_request({**good, **change}, settings, tokenizer)
     with pytest.raises(RequestError, match="exceed max_seq_len 96"):
         parse_text_request({**good, "max_tokens": np.array([[95]], dtype=np.int32)}, settings, tokenizer)
+
+
+def test_row_cost_parameter_holds_a_cost_per_draft_row_count_per_batch_size():
+    costs = ((1, (1.0, 1.12, 1.17)), (4, (1.0, 1.0, 1.04, 1.33)))
+    assert format_row_costs(costs) == "1:1.0,1.12,1.17 4:1.0,1.0,1.04,1.33"
+    assert parse_row_costs(format_row_costs(costs)) == costs
+    assert format_row_costs(()) == "0" and parse_row_costs("0") == () == parse_row_costs("")
+    with pytest.raises(ValueError, match="parameter row_cost '1:1.0,x': give 'batch:cost,cost,...' per batch size"):
+        parse_row_costs("1:1.0,x")
 
 
 def test_draft_token_cost_parameter_holds_costs_per_batch_size():

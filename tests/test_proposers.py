@@ -457,6 +457,33 @@ def test_policy_ends_drafts_at_the_first_position_that_does_not_pay_at_the_runni
     assert ask(policy, n=1) == [4]
 
 
+def test_policy_cuts_a_steps_drafts_to_the_row_count_that_pays_best():
+    """A step's measured cost per draft row count at 4 in flight: two draft rows nearly free, a third 1.6 plain steps
+    (where the AVX2 int8 GEMM's next 6-row block begins). Four 2-token drafts at the prior chance, 0.5 a token, are cut
+    to the two tokens the block holds ((4 + 1) / 1.02 tokens per unit of step time against 8 / 1.70 for all eight),
+    the first requests' first tokens; once the evidence says every token is accepted, all eight pay (11.8 / 1.70)
+    and stay. Without costs at the running batch size (a request alone here) nothing is cut."""
+    costs = (1.0, 1.0, 1.02, 1.6, 1.62, 1.64, 1.66, 1.68, 1.70)
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=2, max_draft_tokens=2,
+                                                          row_costs=((4, costs),)))
+    assert ask(policy, n=4, k=2) == [1, 1, 0, 0]
+    for _ in range(4):
+        for i in range(4):
+            policy.update(f"r{i}", 2, 2)  # every draft token accepted
+    assert ask(policy, n=4, k=2) == [2] * 4
+    for i in range(1, 4):
+        policy.release(f"r{i}")
+    assert ask(policy, n=1, k=2) == [2]
+
+
+def test_policy_row_costs_past_the_measured_rows_grow_by_their_mean_cost_a_row():
+    """More draft tokens than row counts measured: the cost goes on at the measured rows' mean cost a row, so a long
+    tail of likely tokens stays (8 at chance 0.5 over 2 measured rows of 0.05 each)."""
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=8, max_draft_tokens=8,
+                                                          row_costs=((1, (1.0, 1.05, 1.1)),)))
+    assert ask(policy, n=1, k=8) == [8]
+
+
 def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     """At 4 in flight the bar is high (a draft token costs 0.8 of a step); the requests stop after one step of
     evidence. When one finishes and a new one joins, the finished one's evidence fills the newcomer's share of

@@ -70,6 +70,11 @@ Speculation only pays when enough draft tokens are accepted and the target has s
   (docs/benchmarks.md). These drafts are not the pool's evidence (it stays what the pool's own drafts said). Deciding
   per class (and position) where the pool is on as well measured worse: the classes split the evidence five ways,
   and served chat at 4 in flight drafted on through classes just above their bar (0.87-0.95x of plain against 1.00x);
+- a step's rows (`fit_rows`): where a step's cost per draft row count is measured at the running batch size
+  (`PolicyConfig.row_costs`), the step's drafts are cut to the row count that brings the most tokens per unit of step
+  time, its tokens taken in order of their chance of acceptance. A cost per draft token averages over the jumps where
+  a row begins a new block of the AVX2 int8 GEMM (6 rows): at 4 in flight three one-token probes (7 rows) cost 1.59
+  plain steps for 0.33 tokens each (served chat, docs/benchmarks.md), while two would have cost 1.07;
 - short outputs: requests with max_new_tokens below `min_new_tokens_for_speculation` never
   speculate, and K never exceeds the tokens a request still needs.
 A request without speculation still goes to the wrapped proposer with num_tokens = 0 where that proposer
@@ -117,6 +122,10 @@ class PolicyConfig:
     # the same for drafts of one token per request (measured at K=1), in the same form; with it a speculative step
     # costs a fixed part plus a part per draft token (`step_costs`), without it K times the cost per draft token
     one_token_costs: tuple[tuple[int, float], ...] = ()
+    # per running batch size, a step's cost with 0, 1, 2, ... draft rows in plain steps of that batch: ((batch, (1.0,
+    # cost with 1 row, ...)), ...), measured by pipeline.reference.step_cost.row_costs; () = none (`fit_rows` cuts
+    # nothing)
+    row_costs: tuple[tuple[int, tuple[float, ...]], ...] = ()
     max_batch_for_speculation: int = 32  # larger running batches decode plainly
     min_new_tokens_for_speculation: int = 8  # shorter requests decode plainly
     # batch size -> (break_even, fixed, per_token), filled as batch sizes are asked (`_costs`): a step asks for them
@@ -389,8 +398,12 @@ class PolicyProposer:
         if self._nobody_asked(limit):
             return [Draft(token_ids=[]) for _ in inputs]
         states = [self.requests[inp.request_id] for inp in inputs]
-        if self._by_class:
-            return self._class_drafts(inputs, states)
+        drafts = self._class_drafts(inputs, states) if self._by_class else self._pool_drafts(inputs, states, limit)
+        return self.fit_rows(drafts, states)
+
+    def _pool_drafts(self, inputs: list[ProposalInput], states: list[_RequestPolicy], limit: int) -> list[Draft]:
+        """A step where the pool decides: each request's draft of K (`draft_len`, at most `limit`), chains cut by the
+        slow start."""
         slow_start = self.slow_start_limit(len(self.requests))
         limited = []
         for state, inp in zip(states, inputs):
@@ -419,6 +432,65 @@ class PolicyProposer:
             state.match_class = match_class if tokens else None
             drafts.append(replace(draft, token_ids=tokens))
         return drafts
+
+    def fit_rows(self, drafts: list[Draft], states: list[_RequestPolicy]) -> list[Draft]:
+        """The step's chain drafts cut to the draft row count that brings the most tokens per unit of step time at the
+        running batch size B, by the step's measured cost with each row count (`PolicyConfig.row_costs`): its draft
+        tokens in order of their chance of being accepted (`_chances`), the first n of them bring B + their chances'
+        sum tokens at the cost of a step with n draft rows (past the measured row counts, the last cost plus their mean
+        cost a row), and the best n from 1 up is kept (whether a step drafts at all is the switch-off's call, on the
+        evidence this cut would starve). Where a step's cost jumps
+        at a row count (the AVX2 int8 GEMM's 6-row blocks: at 4 in flight a third draft row cost 1.28 plain steps
+        against 1.05 for two), the unlikely tokens that would begin the next block go, and tokens in a block already
+        paid for stay: at 4 in flight in process, served chat, code and summaries 0.971 / 1.175 / 0.966x of plain
+        without the cut, 0.990 / 1.203 / 1.020x with it (docs/benchmarks.md). Unchanged without costs at this batch
+        size; trees stay whole. A request's cut draft stands for the draft it was cut from (`ChainEvidence`)."""
+        batch_size = len(self.requests)
+        costs = dict(self.config.row_costs).get(batch_size)
+        ranked = sorted(((chance, i, j) for i, (draft, state) in enumerate(zip(drafts, states))
+                         if draft.parents is None for j, chance in enumerate(self._chances(draft, state))),
+                        key=lambda t: (-t[0], t[2]))
+        if not costs or not ranked:
+            return drafts
+        measured, per_row = len(costs) - 1, (costs[-1] - costs[0]) / max(len(costs) - 1, 1)
+        best, keep, tokens = 0.0, 0, float(batch_size)  # tokens per unit of step time, and the n that gives it
+        for n, (chance, _, _) in enumerate(ranked, 1):
+            tokens += chance
+            cost = costs[n] if n <= measured else costs[-1] + (n - measured) * per_row
+            if tokens / cost > best:
+                best, keep = tokens / cost, n
+        if keep == len(ranked):
+            return drafts
+        lengths = [0] * len(drafts)
+        for _, i, j in ranked[:keep]:
+            lengths[i] = max(lengths[i], j + 1)
+        fitted = []
+        for draft, state, length in zip(drafts, states, lengths):
+            if draft.parents is None and length < len(draft.token_ids):
+                state.probe_for = max(state.probe_for, len(draft.token_ids))
+                state.match_class = state.match_class if length else None
+                draft = replace(draft, token_ids=draft.token_ids[:length],
+                                probs=draft.probs[:length] if draft.probs is not None else None)
+            fitted.append(draft)
+        return fitted
+
+    def _chances(self, draft: Draft, state: _RequestPolicy) -> list[float]:
+        """Each token's chance of being accepted with all before it (non-increasing): the first position's from its
+        match class where the class let it through (`_class_drafts`) and from the pool otherwise, each later
+        position's the first's times the pool's acceptance through it given the first, from the faded evidence with
+        half a token accepted of one more proposed (no evidence: 0.5)."""
+        def through(accepted: float, proposed: float) -> float:
+            return (accepted + 0.5) / (proposed + 1)
+
+        pooled_first = through(self.position_accepted[0], self.position_proposed[0])
+        first = (through(self.match_accepted[state.match_class], self.match_proposed[state.match_class])
+                 if state.by_class and state.match_class is not None else pooled_first)
+        chances = []
+        for j in range(min(len(draft.token_ids), len(self.position_accepted))):
+            given_first = through(self.position_accepted[j], self.position_proposed[j]) / pooled_first
+            chance = first if j == 0 else first * given_first
+            chances.append(min(chance, chances[-1]) if chances else chance)
+        return chances
 
     def update(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         """Adapt K and count the evidence of one verification."""

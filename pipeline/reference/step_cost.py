@@ -39,6 +39,9 @@ WARMUP_STEPS = 3
 STEPS_PER_RUN = 4
 # Cached tokens of each sequence when engine_draft_token_costs times the engines (the traffic's are unknown then)
 COST_CONTEXT = 256
+# Draft rows a step's cost is timed for past its batch's one row each (`row_costs`): past a request's largest draft at
+# batch 1 (K = 5 on the default spec) and two of the AVX2 int8 GEMM's 6-row blocks at 4 in flight
+MAX_DRAFT_ROWS = 12
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
 
@@ -134,6 +137,39 @@ def in_engine_draft_token_cost(target: LlamaModel, make_proposer: Callable[[], P
     return tuple(max(statistics.median(at_k), 0.0) for at_k in costs)
 
 
+def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, context: int = COST_CONTEXT,
+              repeats: int = 6) -> tuple[float, ...]:
+    """What a step at this running batch size costs with r draft rows, r = 0..max_rows, in plain steps of that batch
+    (1.0 at r = 0): `batch` sequences of `context` cached tokens run one row each, and the r draft rows go round-robin
+    over them. A step's GEMMs run its rows together, so its cost follows its row count, not whose rows they are; on
+    AVX2 the int8 GEMM runs blocks of up to 6 rows, so the cost steps up where a block begins (SmolLM2's int8 engine
+    at 4 in flight, 300 cached tokens: 1, 0.97, 1.05, 1.28, 1.41, 1.63 for 0-5 draft rows; docs/benchmarks.md), which
+    a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows from the last ones).
+    Forwards back to back, every r in each of `repeats` rounds (the order reversed every other round); per r the
+    median round, made non-decreasing in r (noise can time more rows below fewer)."""
+    _check(1, batch)
+    per_sequence = -(-(context + 1 + max_rows) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
+    kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
+    tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
+    model([SequenceInput([1] * context, 0, table) for table in tables], kv)
+
+    def step(draft_rows: int) -> Callable[[], object]:
+        rows = [1 + draft_rows // batch + (i < draft_rows % batch) for i in range(batch)]
+        seqs = [SequenceInput([2] * n, context, table, logits_rows=list(range(n))) for n, table in zip(rows, tables)]
+        return lambda: model(seqs, kv)
+
+    steps = [step(r) for r in range(max_rows + 1)]
+    times = [[] for _ in steps]
+    for i in range(repeats):
+        for r in (range(max_rows + 1) if i % 2 == 0 else range(max_rows, -1, -1)):
+            steps[r]()  # its first call warms what it alone uses
+            times[r].append(_seconds(steps[r]))
+    plain, costs = statistics.median(times[0]), []
+    for at_r in times:
+        costs.append(max(statistics.median(at_r) / plain, costs[-1] if costs else 1.0))
+    return tuple(costs)
+
+
 def _check(k: int, batch: int) -> None:
     """Refuse a K or batch that has no cost per draft token."""
     if k < 1:
@@ -196,12 +232,7 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
     forwards timed 0.19-0.33 of a step a draft token of K=5, engine steps 0.31-0.33, and served chat at concurrency 4
     paid about 0.28 (docs/benchmarks.md). Takes a few seconds per batch size for SmolLM2-sized engines.
     """
-    from pipeline.reference.engine import LLMEngine
-
-    def served(engine_dir: str | Path) -> LlamaModel:
-        return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1).model
-
-    target = served(target_dir)
+    target = _served_model(target_dir)
     if lookup_in_engine:
         if draft_dir is not None:
             raise ValueError("lookup_in_engine times prompt lookup: give no draft engine")
@@ -210,6 +241,26 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
             [ids.randrange(target.vocab_size) for _ in range(COST_CONTEXT)] for _ in range(batch)])
             for batch in batches]  # [batch][k]
     else:
-        draft = served(draft_dir) if draft_dir is not None else None
+        draft = _served_model(draft_dir) if draft_dir is not None else None
         by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
     return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))
+
+
+def engine_row_costs(target_dir: str | Path, batches: tuple[int, ...],
+                     num_draft_tokens: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """((batch, `row_costs` at that batch up to its requests' drafts of num_draft_tokens or MAX_DRAFT_ROWS, rounded to
+    0.01), ...) of a built target engine as served (its kernels, batch-invariant math, measured decode threads), for
+    the row_cost parameter a target engine that runs prompt lookup gets when the repository is assembled. 2-6 s per
+    batch size for SmolLM2's engine on the Zen3 host."""
+    target = _served_model(target_dir)
+    return tuple((batch, tuple(round(c, 2) for c in row_costs(target, batch,
+                                                               min(MAX_DRAFT_ROWS, batch * num_draft_tokens))))
+                 for batch in batches)
+
+
+def _served_model(engine_dir: str | Path) -> LlamaModel:
+    """An engine's model as a served engine runs it: loaded by LLMEngine with batch-invariant math (the serving
+    default), so with its compiled or fused layers and its decode steps on the thread count the engine measured."""
+    from pipeline.reference.engine import LLMEngine
+
+    return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1).model

@@ -26,7 +26,7 @@ from pipeline.limits import EngineLimits
 from pipeline.modes import traits
 from pipeline.repo.config import DynamicBatching, ModelConfigSpec
 from pipeline.repo.interface import ENGINE_LOOKUP_INPUTS, interface
-from pipeline.serving.params import format_draft_token_costs
+from pipeline.serving.params import format_draft_token_costs, format_row_costs
 from pipeline.spec import NgramSpec, Spec, SpecError
 from pipeline.toolchains import lookup_in_engine, toolchain_traits
 from specbuild.plan import Plan, engine_limits
@@ -88,6 +88,9 @@ class DraftTokenCosts(NamedTuple):
     # the same for drafts of one token, where the engine runs prompt lookup under pipeline.reference.policy: with at_k
     # it gives a step's fixed cost and its cost per token (PolicyConfig.step_costs)
     at_one: tuple[tuple[int, float], ...] = ()
+    # there also (batch, a step's cost with 0, 1, 2, ... draft rows), every batch size up to COST_BATCHES' largest
+    # (pipeline.reference.step_cost.row_costs): the row count a step's drafts are cut to (PolicyProposer.fit_rows)
+    rows: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
 
 def _policy_params(s, draft_token_costs: tuple[tuple[int, float], ...]) -> dict[str, str]:
@@ -127,7 +130,7 @@ def engine_model(spec: Spec, toolchain: str, name: str, engine: EngineInfo, kv_f
     engine_lookup = name == "tensorrt_llm" and lookup_in_engine(s.mode, toolchain)
     if engine_lookup:  # the engine drafts by prompt lookup every step, under the spec's policy (load_serving_engine)
         params.update(speculative_mode=s.mode, **_ngram_params(s.ngram), **_policy_params(s, costs.at_k),
-                      one_token_cost=format_draft_token_costs(costs.at_one))
+                      one_token_cost=format_draft_token_costs(costs.at_one), row_cost=format_row_costs(costs.rows))
     if toolchain_traits(toolchain).engine_backend == "tensorrtllm":
         params["executor_worker_path"] = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     iface = interface(name)
@@ -235,7 +238,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     BLS's rounds, COST_BATCHES up to max_batch_for_speculation where the engine runs prompt lookup itself, and there
     also in one-token drafts (at_one: where a step's fixed part, its calls and the verify's second row, is large,
     short drafts cost more per token than K's; PolicyConfig.step_costs), timed through the engine's steps as it runs
-    the lookup (`engine_draft_token_costs`' lookup_in_engine). Nothing where the BLS makes no
+    the lookup (`engine_draft_token_costs`' lookup_in_engine), with a step's cost per draft row count at every batch
+    size up to the largest (rows, `engine_row_costs`). Nothing where the BLS makes no
     drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines are built
     elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
@@ -251,7 +255,8 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
         return DraftTokenCosts()
     from pipeline.apps.host import cpu_summary
     from pipeline.reference import cpp_ops, decode_threads, fp16_weight_gemm, int8_grid_gemm, row_attention
-    from pipeline.reference.step_cost import ENGINE_TIMING, engine_code_digest, engine_draft_token_costs
+    from pipeline.reference.step_cost import (ENGINE_TIMING, engine_code_digest, engine_draft_token_costs,
+                                              engine_row_costs)
 
     in_engine = lookup_in_engine(s.mode, plan.toolchain)
     batches = (1,) if not in_engine else tuple(b for b in COST_BATCHES if b <= max(s.max_batch_for_speculation, 1))
@@ -267,12 +272,17 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
-    if key not in memo:  # [[[batch, cost], ...] per K]
-        memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches,
-                                             lookup_in_engine=in_engine)
+    rows_key = f"{key}; rows at batches 1-{max(batches)}"
+    if key not in memo or in_engine and rows_key not in memo:
+        if key not in memo:  # [[[batch, cost], ...] per K]
+            memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches,
+                                                 lookup_in_engine=in_engine)
+        if in_engine:  # [[batch, [cost per draft row count]], ...]
+            memo[rows_key] = engine_row_costs(target.path, tuple(range(1, max(batches) + 1)), s.num_draft_tokens)
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
-    return DraftTokenCosts(*(tuple((int(batch), float(cost)) for batch, cost in at) for at in memo[key]))
+    rows = tuple((int(batch), tuple(map(float, costs))) for batch, costs in memo.get(rows_key, ()))
+    return DraftTokenCosts(*(tuple((int(batch), float(cost)) for batch, cost in at) for at in memo[key]), rows=rows)
 
 
 def repo_models(plan: Plan, target: EngineInfo, draft: EngineInfo | None,

@@ -72,7 +72,7 @@ EXTENSIONS: dict[str, Interface] = {
     "tensorrt_llm": Interface(inputs=(ENGINE_DRAFT_LEN,), outputs=(), parameter_keys=frozenset({
         "eagle_dynamic_tree_top_k", "batch_invariant", "engine_role", "speculative_mode", "num_draft_tokens",
         "ngram_min", "ngram_max", "ngram_min_token_prob", "min_acceptance_rate", "draft_token_cost", "one_token_cost",
-        "max_batch_for_speculation"})),
+        "row_cost", "max_batch_for_speculation"})),
 }
 # Inputs only an engine that runs prompt lookup itself reads (TensorRT-LLM's tensorrtllm backend has none of them).
 ENGINE_LOOKUP_INPUTS = frozenset({ENGINE_DRAFT_LEN.name})

@@ -126,6 +126,26 @@ def parse_draft_token_costs(text: str, name: str = "draft_token_cost") -> tuple[
                          "or one cost for batch 1") from None
 
 
+def format_row_costs(costs: tuple[tuple[int, tuple[float, ...]], ...]) -> str:
+    """The row_cost parameter: per batch size "batch:cost,cost,..." (a step's cost with 0, 1, 2, ... draft rows, in
+    plain steps of that batch), e.g. "1:1,1.12,1.17 4:1,1,1.04,1.33"; "0" when nothing was measured."""
+    return " ".join(f"{batch}:{','.join(map(str, row))}" for batch, row in costs) or "0"
+
+
+def parse_row_costs(text: str) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """((batch, (cost with 0, 1, 2, ... draft rows)), ...) from the row_cost parameter (`format_row_costs`; "0" or
+    empty: not measured, ())."""
+    text = text.strip()
+    if text in ("", "0"):
+        return ()
+    try:
+        pairs = [pair.split(":") for pair in text.split()]
+        return tuple((int(batch), tuple(float(c) for c in row.split(","))) for batch, row in pairs)
+    except ValueError:
+        raise ValueError(f"parameter row_cost {text!r}: give 'batch:cost,cost,...' per batch size "
+                         "(e.g. '1:1,1.12 4:1,1,1.04')") from None
+
+
 def cost_at_batch_one(text: str) -> float:
     """The draft_token_cost parameter's cost at batch 1 (0: free or not measured)."""
     return dict(parse_draft_token_costs(text)).get(1, 0.0)

@@ -28,7 +28,8 @@ from pipeline.reference.policy import PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import NgramProposer
 from pipeline.reference.sampling import SamplingParams, probabilities, process_logits
 from pipeline.serving.errors import RequestError
-from pipeline.serving.params import ENGINE_SAMPLING_NAMES, parse_draft_token_costs, read_sampling, scalar
+from pipeline.serving.params import (ENGINE_SAMPLING_NAMES, parse_draft_token_costs, parse_row_costs, read_sampling,
+                                     scalar)
 from pipeline.serving.text import from_word_list_format
 from pipeline.spec_stats import SpecStats
 
@@ -252,7 +253,7 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
     that adapts per request up to the request's num_draft_tokens, the switch-off bar (min_acceptance_rate, or
     what the steps cost at the running batch size when higher: draft_token_cost, and one_token_cost for a step's
     fixed part) and the batch gate (max_batch_for_speculation running requests, or a batch size where a draft token
-    costs a whole step).
+    costs a whole step); row_cost: a step's drafts cut to the row count that pays best (PolicyProposer.fit_rows).
     Short requests are the BLS's call (it sends num_draft_tokens 0), so the engine applies no length floor."""
     if max_draft_len < 1:
         raise ValueError("speculative_mode ngram needs an engine built with max_draft_len >= 1; "
@@ -265,6 +266,7 @@ def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyPro
         min_acceptance_rate=float(parameters.get("min_acceptance_rate", 0.0)),
         draft_token_costs=parse_draft_token_costs(parameters.get("draft_token_cost") or ""),
         one_token_costs=parse_draft_token_costs(parameters.get("one_token_cost") or "", "one_token_cost"),
+        row_costs=parse_row_costs(parameters.get("row_cost") or ""),
         max_batch_for_speculation=int(parameters.get("max_batch_for_speculation", 1 << 30)),
         min_new_tokens_for_speculation=0))
 
