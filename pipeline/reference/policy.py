@@ -439,19 +439,19 @@ class PolicyProposer:
         tokens in order of their chance of being accepted (`_chances`), the first n of them bring B + their chances'
         sum tokens at the cost of a step with n draft rows (past the measured row counts, the last cost plus their mean
         cost a row), and the best n from 1 up is kept (whether a step drafts at all is the switch-off's call, on the
-        evidence this cut would starve). Where a step's cost jumps
-        at a row count (the AVX2 int8 GEMM's 6-row blocks: at 4 in flight a third draft row cost 1.28 plain steps
-        against 1.05 for two), the unlikely tokens that would begin the next block go, and tokens in a block already
-        paid for stay: at 4 in flight in process, served chat, code and summaries 0.971 / 1.175 / 0.966x of plain
-        without the cut, 0.990 / 1.203 / 1.020x with it (docs/benchmarks.md). Unchanged without costs at this batch
-        size; trees stay whole. A request's cut draft stands for the draft it was cut from (`ChainEvidence`)."""
+        evidence this cut would starve). Where a step's cost jumps at a row count (the AVX2 int8 GEMM's 6-row blocks:
+        at 4 in flight a third draft row cost 1.28 plain steps against 1.05 for two), the unlikely tokens that would
+        begin the next block go, and tokens in a block already paid for stay: in process at 4 in flight, paired
+        against the same policy without it, code 1.044x, summaries 1.069x, chat 0.985x (docs/benchmarks.md).
+        Unchanged without costs at this batch size; trees stay whole. A request's cut draft stands for the draft it
+        was cut from (`ChainEvidence`)."""
         batch_size = len(self.requests)
         costs = dict(self.config.row_costs).get(batch_size)
+        if not costs:
+            return drafts
         ranked = sorted(((chance, i, j) for i, (draft, state) in enumerate(zip(drafts, states))
                          if draft.parents is None for j, chance in enumerate(self._chances(draft, state))),
                         key=lambda t: (-t[0], t[2]))
-        if not costs or not ranked:
-            return drafts
         measured, per_row = len(costs) - 1, (costs[-1] - costs[0]) / max(len(costs) - 1, 1)
         best, keep, tokens = 0.0, 0, float(batch_size)  # tokens per unit of step time, and the n that gives it
         for n, (chance, _, _) in enumerate(ranked, 1):
