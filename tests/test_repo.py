@@ -384,8 +384,8 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
 def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_engines):
     """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
     batch size up to max_batch_for_speculation, in drafts of K and of one token, through the engine's steps (as it
-    drafts there), and a step's cost per draft row count at every batch size up to the largest (1.0 with none, never
-    less with more); the engine's policy reads all three from its config."""
+    drafts there), and a step's cost per draft row count at every batch size from 2 up to the largest (1.0 with none,
+    never less with more); the engine's policy reads all three from its config."""
     from pipeline.repo.assemble import measured_draft_token_costs
     from pipeline.serving.reference_adapter import lookup_proposer
     from pipeline.spec import NgramSpec
@@ -399,7 +399,7 @@ def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_
     costs = measured_draft_token_costs(plan, target, None)
     for curve in (costs.at_k, costs.at_one):
         assert [b for b, _ in curve] == [1, 2, 4] and all(c >= 0 for _, c in curve)
-    assert [b for b, _ in costs.rows] == [1, 2, 3, 4]
+    assert [b for b, _ in costs.rows] == [2, 3, 4]
     for batch, row in costs.rows:  # up to the batch's drafts of K = 3
         assert len(row) == min(3 * batch, MAX_DRAFT_ROWS) + 1 and row[0] == 1.0 and list(row) == sorted(row)
     memo = json.loads((spec.out_dir / "draft_token_cost.json").read_text())

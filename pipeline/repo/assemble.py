@@ -88,8 +88,9 @@ class DraftTokenCosts(NamedTuple):
     # the same for drafts of one token, where the engine runs prompt lookup under pipeline.reference.policy: with at_k
     # it gives a step's fixed cost and its cost per token (PolicyConfig.step_costs)
     at_one: tuple[tuple[int, float], ...] = ()
-    # there also (batch, a step's cost with 0, 1, 2, ... draft rows), every batch size up to COST_BATCHES' largest
-    # (pipeline.reference.step_cost.row_costs): the row count a step's drafts are cut to (PolicyProposer.fit_rows)
+    # there also (batch, a step's cost with 0, 1, 2, ... draft rows), every batch size from ROW_COST_FIRST_BATCH up to
+    # COST_BATCHES' largest (pipeline.reference.step_cost.row_costs): the row count a step's drafts are cut to
+    # (PolicyProposer.fit_rows)
     rows: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
 
@@ -230,6 +231,10 @@ def engine_infos(plan: Plan) -> tuple[EngineInfo, EngineInfo | None]:
 # the running batch sizes a draft token's cost is measured at, where the engine applies the policy (up to the spec's
 # max_batch_for_speculation; the BLS's rounds are one request's: batch 1 only)
 COST_BATCHES = (1, 2, 4, 8)
+# the smallest running batch size whose steps are priced by their row count (PolicyProposer.fit_rows): one request's
+# draft of K <= 5 stays within the AVX2 int8 GEMM's first 6-row block, and with the cut `make bench-engine` read prompt
+# lookup at batch 1 at 1.06x its fixed K=4 where it read 1.14x without (docs/benchmarks.md)
+ROW_COST_FIRST_BATCH = 2
 
 
 def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo | None) -> DraftTokenCosts:
@@ -239,7 +244,7 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
     also in one-token drafts (at_one: where a step's fixed part, its calls and the verify's second row, is large,
     short drafts cost more per token than K's; PolicyConfig.step_costs), timed through the engine's steps as it runs
     the lookup (`engine_draft_token_costs`' lookup_in_engine), with a step's cost per draft row count at every batch
-    size up to the largest (rows, `engine_row_costs`). Nothing where the BLS makes no
+    size from ROW_COST_FIRST_BATCH up to the largest (rows, `engine_row_costs`). Nothing where the BLS makes no
     drafts (none, medusa, eagle), where min_acceptance_rate 0 turns the switch-off off, or where the engines are built
     elsewhere (a GPU host: verification rows are nearly free there, and this machine cannot time them).
 
@@ -272,13 +277,14 @@ def measured_draft_token_costs(plan: Plan, target: EngineInfo, draft: EngineInfo
            f"batches={','.join(map(str, batches))} on {cpu_summary()}; {switches}")
     memo_path = plan.spec.out_dir / "draft_token_cost.json"
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
-    rows_key = f"{key}; rows at batches 1-{max(batches)}"
-    if key not in memo or in_engine and rows_key not in memo:
+    row_batches = tuple(range(ROW_COST_FIRST_BATCH, max(batches) + 1))
+    rows_key = f"{key}; rows at batches {','.join(map(str, row_batches))}"
+    if key not in memo or in_engine and row_batches and rows_key not in memo:
         if key not in memo:  # [[[batch, cost], ...] per K]
             memo[key] = engine_draft_token_costs(target.path, draft.path if draft is not None else None, ks, batches,
                                                  lookup_in_engine=in_engine)
-        if in_engine:  # [[batch, [cost per draft row count]], ...]
-            memo[rows_key] = engine_row_costs(target.path, tuple(range(1, max(batches) + 1)), s.num_draft_tokens)
+        if in_engine and row_batches:  # [[batch, [cost per draft row count]], ...]
+            memo[rows_key] = engine_row_costs(target.path, row_batches, s.num_draft_tokens)
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo, indent=2))
     rows = tuple((int(batch), tuple(map(float, costs))) for batch, costs in memo.get(rows_key, ()))
