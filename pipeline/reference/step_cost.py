@@ -76,9 +76,12 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int
     """
     for k in ks:
         _check(k, batch)
-    step = _forward_call(target, 1, batch, context)
-    verifies = [_forward_call(target, k + 1, batch, context) for k in ks]
-    draft_step = _forward_call(draft, 1, batch, context) if draft is not None else None
+    def call(model: LlamaModel, rows: int) -> Callable[[], object]:
+        return _forward_call(model, [rows] * batch, context, *_prefilled(model, batch, context, rows))
+
+    step = call(target, 1)
+    verifies = [call(target, k + 1) for k in ks]
+    draft_step = call(draft, 1) if draft is not None else None
     costs = [[] for _ in ks]
     for _ in range(repeats):
         for k, verify, at_k in zip(ks, verifies, costs):  # this round's, back to back
@@ -148,17 +151,9 @@ def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, con
     Forwards back to back, every r in each of `repeats` rounds (the order reversed every other round); per r the
     median round, made non-decreasing in r (noise can time more rows below fewer)."""
     _check(1, batch)
-    per_sequence = -(-(context + 1 + max_rows) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
-    kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
-    tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
-    model([SequenceInput([1] * context, 0, table) for table in tables], kv)
-
-    def step(draft_rows: int) -> Callable[[], object]:
-        rows = [1 + draft_rows // batch + (i < draft_rows % batch) for i in range(batch)]
-        seqs = [SequenceInput([2] * n, context, table, logits_rows=list(range(n))) for n, table in zip(rows, tables)]
-        return lambda: model(seqs, kv)
-
-    steps = [step(r) for r in range(max_rows + 1)]
+    kv, tables = _prefilled(model, batch, context, 1 + max_rows)
+    steps = [_forward_call(model, [1 + r // batch + (i < r % batch) for i in range(batch)], context, kv, tables)
+             for r in range(max_rows + 1)]  # r draft rows round-robin
     times = [[] for _ in steps]
     for i in range(repeats):
         for r in (range(max_rows + 1) if i % 2 == 0 else range(max_rows, -1, -1)):
@@ -178,14 +173,21 @@ def _check(k: int, batch: int) -> None:
         raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
 
 
-def _forward_call(model: LlamaModel, rows: int, batch: int, context: int) -> Callable[[], object]:
-    """A call of one forward of `rows` new tokens (all with logits) on each of `batch` sequences of `context` cached
-    tokens (prefilled now, which also warms the model up)."""
-    per_sequence = -(-(context + rows) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
+def _prefilled(model: LlamaModel, batch: int, context: int, room: int) -> tuple[object, list[list[int]]]:
+    """(kv, block tables) of `batch` sequences of `context` cached tokens each, prefilled now (which also warms the
+    model up), with room for `room` more tokens each."""
+    per_sequence = -(-(context + room) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
     kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
     tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
     model([SequenceInput([1] * context, 0, table) for table in tables], kv)
-    seqs = [SequenceInput([2] * rows, context, table, logits_rows=list(range(rows))) for table in tables]
+    return kv, tables
+
+
+def _forward_call(model: LlamaModel, rows: list[int], context: int, kv,
+                  tables: list[list[int]]) -> Callable[[], object]:
+    """A call of one forward of rows[i] new tokens (all with logits) on the sequence of tables[i] after its `context`
+    cached tokens (`_prefilled`)."""
+    seqs = [SequenceInput([2] * n, context, table, logits_rows=list(range(n))) for n, table in zip(rows, tables)]
     return lambda: model(seqs, kv)
 
 

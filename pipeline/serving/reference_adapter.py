@@ -230,12 +230,8 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
     logits only propose, so a float32 output layer runs in 16 bits where a kernel for them runs
     (LLMEngine.from_engine_dir)."""
     parameters = parameters or {}
-    exact = parameters.get("batch_invariant", "true").strip().lower()
-    if exact not in ("true", "false"):
-        raise ValueError(f"parameter batch_invariant {parameters['batch_invariant']!r}: write true or false")
-    role = parameters.get("engine_role", "target").strip().lower()
-    if role not in ("target", "draft"):
-        raise ValueError(f"parameter engine_role {parameters['engine_role']!r}: write target or draft")
+    exact = _choice(parameters, "batch_invariant", ("true", "false"))
+    role = _choice(parameters, "engine_role", ("target", "draft"))
     build = json.loads((Path(engine_dir) / "config.json").read_text())["build_config"]
     tree = parameters.get("medusa_choices") or parameters.get("eagle_choices")
     top_k = parameters.get("eagle_dynamic_tree_top_k")
@@ -245,6 +241,14 @@ def load_serving_engine(engine_dir, parameters: dict[str, str] | None = None) ->
                                          choices=parse_choices(tree) if tree and not top_k else None,
                                          dynamic_top_k=int(top_k) if top_k else None, draft=role == "draft",
                                          batch_invariant=exact == "true")
+
+
+def _choice(parameters: dict[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """The parameter `name`, one of `choices` (case and spaces aside; unset: the first), or a ValueError naming it."""
+    value = parameters.get(name, choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"parameter {name} {parameters[name]!r}: write {' or '.join(choices)}")
+    return value
 
 
 def lookup_proposer(parameters: dict[str, str], max_draft_len: int) -> PolicyProposer:
