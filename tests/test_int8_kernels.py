@@ -251,6 +251,43 @@ def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, plain_tokens,
     assert accepted > 0  # drafts were verified in batched calls, not skipped
 
 
+@pytest.mark.skipif(SCREEN is not None or not torch.cpu._is_avx2_supported(),
+                    reason="the int8 screen serves argmax-only rows where the output layer is Float16Weights (AVX2)")
+@pytest.mark.parametrize("qformat", ["int8_wo", "int8_sq"])
+def test_argmax_only_rows_take_the_int8_screen_and_greedy_tokens_stay(int8_engines, plain_tokens, qformat):
+    """Greedy requests' rows run the int8 screen (the engine marks them argmax_only): the same plain greedy tokens as
+    with every row on the exact layer; rows that read their logits (a sampled request's, returned logits) take the
+    exact layer, and in one forward each row gets what it gets alone. A float16 engine, whose logits round to fp16,
+    keeps every row exact."""
+    from pipeline.reference.int8_screen import Int8Screen
+    from pipeline.reference.model import SequenceInput
+
+    engine = LLMEngine.from_engine_dir(int8_engines[qformat], batch_invariant=True, max_batch_size=8,
+                                       max_seq_len=256, max_input_len=128, max_draft_len=6)
+    model = engine.model
+    assert isinstance(model.argmax_layer, Int8Screen)
+    model.argmax_layer = None
+    exact_tokens, _stats = drive(engine, list(enumerate(prompts())), stagger=True)
+    assert exact_tokens == plain_tokens[qformat]  # plain_tokens ran with the screen
+
+    model = LLMEngine.from_engine_dir(int8_engines[qformat], batch_invariant=True).model
+    kv = model.new_kv_cache(8, 32)
+    ids = prompts()[0]
+
+    def logits(flags):
+        seqs = [SequenceInput(ids, 0, [2 * i, 2 * i + 1], logits_rows=[0, 3, len(ids) - 1], argmax_only=f)
+                for i, f in enumerate(flags)]
+        return model(seqs, kv).logits
+
+    screened, exact = logits([True]), logits([False])
+    assert torch.equal(exact, model.lm_head_linear(model(
+        [SequenceInput(ids, 0, [0, 1], logits_rows=[0, 3, len(ids) - 1])], kv, return_hidden=True).hidden_states[
+            [0, 3, len(ids) - 1]]))
+    assert torch.equal(screened.argmax(dim=1), exact.argmax(dim=1)) and not torch.equal(screened, exact)
+    assert torch.equal(logits([False, True, False]), torch.cat([exact, screened, exact]))
+    assert LLMEngine.from_engine_dir(int8_engines["float16"]).model.argmax_layer is None
+
+
 def test_bench_kernels_times_each_output_layer(int8_engines, derived_pair, capsys):
     from pipeline.apps.bench_kernels import bench_model
 

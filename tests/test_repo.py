@@ -356,7 +356,7 @@ def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engi
 
 
 def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_engines, monkeypatch, tmp_path):
-    """The memo's key holds a digest of the engine's code (its Python and kernel sources): a kernel change measures
+    """The memo's key holds a digest of the engine's code (its Python, kernel sources and headers): a kernel change measures
     the cost again, as a change to any other file of the engine does; files that are not code do not."""
     import shutil
 
@@ -371,6 +371,10 @@ def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_eng
     kernel = code / "csrc" / "row_attention.cpp"
     kernel.write_text(kernel.read_text() + "\n// changed\n")
     assert step_cost.engine_code_digest(code) != digest
+    changed = step_cost.engine_code_digest(code)
+    header = code / "csrc" / "int8_avx2_groups.h"  # a header the kernels include
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert step_cost.engine_code_digest(code) != changed
 
     measure = memo_keys_added(tiny_spec_engines)
     measure()

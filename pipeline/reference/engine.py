@@ -67,6 +67,13 @@ class Request:
     return_log_probs: bool = False
     return_context_logits: bool = False  # computes every prompt position: the prompt's cached KV is not reused
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the target's logits serve only their argmax: greedy sampling without penalties or bans, and no
+        logits or log-probs returned (the model may screen them: SequenceInput.argmax_only)."""
+        return self.sampling.argmax_only and not (self.return_generation_logits or self.return_log_probs
+                                                  or self.return_context_logits)
+
 
 @dataclass
 class RequestOutput:
@@ -453,7 +460,8 @@ class LLMEngine:
                 parents = list(range(-1, root - 1)) + [root - 1] + [root + 1 + p for p in sched.draft.parents]
         if seq.wants_context:
             rows = list(range(n))  # every prompt row (then the draft's), for context_logits
-        return SequenceInput(sched.new_tokens, seq.num_computed, seq.blocks.blocks, parents=parents, logits_rows=rows)
+        return SequenceInput(sched.new_tokens, seq.num_computed, seq.blocks.blocks, parents=parents, logits_rows=rows,
+                             argmax_only=seq.request.argmax_only)
 
     # ------------------------------------------------------------ after the forward
     def _advance(self, sched: _Scheduled, logits: torch.Tensor, hidden: torch.Tensor | None) -> RequestOutput | None:

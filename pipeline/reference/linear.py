@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from pipeline.reference import bf16_weight_gemm, cpp_ops, fp16_weight_gemm, int8_grid_gemm
+from pipeline.reference import bf16_weight_gemm, cpp_ops, fp16_weight_gemm, int8_grid_gemm, int8_screen
 from pipeline.reference.int8_grid_gemm import PackedInt8
 
 INT8_MAX = 127.0
@@ -432,6 +432,17 @@ def output_layer_16bit(weight: torch.Tensor):
     if (os.cpu_count() or 1) >= OUTPUT_LAYER_THREADS and screened.rows_invariant(OUTPUT_LAYER_THREADS):
         screened.threads = OUTPUT_LAYER_THREADS
     return screened
+
+
+def argmax_output_layer(exact, dtype: torch.dtype = torch.float32) -> int8_screen.Int8Screen | None:
+    """The layer for an output layer's argmax-only rows (greedy decoding): Int8Screen over `exact`'s fp16 weights where
+    `exact` is a Float16Weights on the fp16 kernel of a float32 model and the screen runs here (AVX2: the same argmax,
+    half the bytes), else None (those rows take `exact` too; ScreenedOutputLayer is already bf16 for every row). A
+    float16 model rounds its logits to fp16, whose ties could fall to a token the screen left approximate."""
+    if (dtype == torch.float32 and isinstance(exact, Float16Weights) and exact.kernel is not None
+            and exact.bias is None and int8_screen.kernel()):
+        return int8_screen.Int8Screen(exact.kernel)
+    return None
 
 
 def fbgemm_prepack(q: torch.Tensor, scale: torch.Tensor):

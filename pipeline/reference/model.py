@@ -40,7 +40,7 @@ from pipeline.reference import row_attention
 from pipeline.reference.fused_layers import FusedDenseLayers, FusedInt8Layers
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, ScreenedOutputLayer,
-                                       intra_op_threads, output_layer_16bit, wide_layout)
+                                       argmax_output_layer, intra_op_threads, output_layer_16bit, wide_layout)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Forwards of at most this many new tokens (decode steps, drafts to verify) run on `decode_threads` threads: one
@@ -116,6 +116,9 @@ class SequenceInput:
     block_table: list[int]  # KV blocks of this sequence, enough for num_cached + len(token_ids) tokens
     parents: list[int] | None = None  # tree over new tokens: parent index of token i (< i), -1 = hangs off the prefix
     logits_rows: list[int] | None = None  # which new tokens need logits; None = the last one
+    # only each logits row's argmax is read (a greedy request without penalties, bans or returned logits): the model
+    # may compute them on its argmax layer (exact at each row's top only, Int8Screen)
+    argmax_only: bool = False
 
 
 @dataclass
@@ -178,6 +181,9 @@ class LlamaModel(torch.nn.Module):
         sixteen_bit = kernel is not None or self.dtype == torch.float16
         self.lm_head = head if sixteen_bit else wide_layout(head)  # [vocab, hidden]
         self.lm_head_linear = output_layer_16bit(self.lm_head) if sixteen_bit else dense(self.lm_head)
+        # argmax-only rows (SequenceInput.argmax_only) on int8 weights where the int8 screen runs: the same argmax,
+        # half the bytes (None: they take lm_head_linear too)
+        self.argmax_layer = argmax_output_layer(self.lm_head_linear, self.dtype)
         self.final_norm = w("model.norm.weight") if "model.norm.weight" in state_dict else None  # None: EAGLE drafter
         self.layers = []
         for i in range(self.num_layers):
@@ -306,7 +312,8 @@ class LlamaModel(torch.nn.Module):
                 else _AttentionPlan.build(seqs, kv.block_size, self.batch_invariant, self.dtype))
         kv.clear(plan.pad_slots)
         with intra_op_threads(self.decode_threads if small else None):
-            return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input)
+            return self._forward(plan, kv, return_hidden, input_embeds, capture_layers, first_layer_input,
+                                 _argmax_rows(seqs))
 
     def _fused_chains(self, seqs: list[SequenceInput], kv: KVCache, return_hidden: bool, small: bool) -> ForwardOutput:
         """A forward of chains on the fused int8 layers, which build the row attention's plan and gather the
@@ -317,7 +324,7 @@ class LlamaModel(torch.nn.Module):
         self._check_position(max(seq.num_cached + len(seq.token_ids) for seq in seqs) - 1)
         with intra_op_threads(self.decode_threads if small else None):
             hidden = self.fused_layers.chains(seqs, kv)  # [T, hidden]
-            logits = self._logits(hidden, _logits_index(seqs))
+            logits = self._logits(hidden, _logits_index(seqs), _argmax_rows(seqs))
         return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None)
 
     def _check_position(self, position: int) -> None:
@@ -325,13 +332,25 @@ class LlamaModel(torch.nn.Module):
         if position >= self.rope_cos.shape[0]:
             raise ValueError(f"position {position} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
 
-    def _logits(self, hidden: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
-        """The output layer on the rows of hidden [T, hidden] that want logits (None: all) -> [R, vocab] float32."""
+    def _logits(self, hidden: torch.Tensor, logits_index: torch.Tensor | None,
+                argmax_rows: list[bool] | None = None) -> torch.Tensor:
+        """The output layer on the rows of hidden [T, hidden] that want logits (None: all) -> [R, vocab] float32; the
+        rows argmax_rows marks (None: none) on the argmax layer where the model has one."""
         rows = hidden.index_select(0, logits_index) if logits_index is not None else hidden
-        return self._linear(rows, self.lm_head_linear).float()
+        if self.argmax_layer is None or argmax_rows is None:
+            return self._linear(rows, self.lm_head_linear).float()
+        if all(argmax_rows):
+            return self.argmax_layer(rows)
+        screened = torch.tensor(argmax_rows)
+        top = self.argmax_layer(rows[screened])
+        logits = top.new_empty(rows.shape[0], top.shape[1])
+        logits[screened] = top
+        logits[~screened] = self._linear(rows[~screened], self.lm_head_linear).float()
+        return logits
 
     def _forward(self, plan: "_AttentionPlan", kv: KVCache, return_hidden: bool, input_embeds: torch.Tensor | None,
-                 capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None) -> ForwardOutput:
+                 capture_layers: tuple[int, ...] | None, first_layer_input: torch.Tensor | None,
+                 argmax_rows: list[bool] | None) -> ForwardOutput:
         tokens = torch.tensor(plan.token_ids, dtype=torch.long)  # [T]
         self._check_position(max(plan.positions))
         positions = torch.tensor(plan.positions, dtype=torch.long)  # [T]
@@ -348,7 +367,7 @@ class LlamaModel(torch.nn.Module):
             hidden, captured = self.compiled_layers(x, cos, sin, kv, plan, capture_layers)
         else:
             hidden, captured = self._eager_layers(x, cos, sin, kv, plan, capture_layers, first_layer_input)
-        logits = self._logits(hidden, plan.logits_index)  # [R, vocab]
+        logits = self._logits(hidden, plan.logits_index, argmax_rows)  # [R, vocab]
         if not return_hidden:
             return ForwardOutput(logits=logits, hidden_states=None)
         return ForwardOutput(logits=logits, hidden_states=torch.cat(captured, dim=-1) if capture_layers is not None else hidden)
@@ -524,6 +543,14 @@ class _AttentionPlan:
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)  # no padding slots to clear (read only)
+
+
+def _argmax_rows(seqs: list[SequenceInput]) -> list[bool] | None:
+    """Per logits row (in _logits_index's order), whether only its argmax is read; None when no row's is."""
+    if not any(seq.argmax_only for seq in seqs):
+        return None
+    return [seq.argmax_only for seq in seqs
+            for _ in (seq.logits_rows if seq.logits_rows is not None else [None])]
 
 
 def _logits_index(seqs: list[SequenceInput]) -> torch.Tensor | None:

@@ -44,6 +44,11 @@ class SamplingParams:
         """Temperature 0: always the argmax (top_k = 1 at any temperature gives the same tokens)."""
         return self.temperature == 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a token needs nothing of its raw logits but their argmax: greedy, with no penalties or bans."""
+        return self.greedy and not _needs_processing(self)
+
     def problems(self, vocab_size: int) -> list[tuple[str, str]]:
         """(field, fix) for every invalid parameter; empty when valid."""
         out = []

@@ -47,12 +47,12 @@ ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode th
 
 
 def engine_code_digest(root: Path = Path(__file__).parent) -> str:
-    """A digest of the reference engine's code (pipeline/reference: its Python and its kernels' C++ sources), part of
-    the key of the costs `pipeline repo` keeps: a cost timed on other code is measured again. Without it the
+    """A digest of the reference engine's code (pipeline/reference: its Python, its kernels' C++ sources and headers),
+    part of the key of the costs `pipeline repo` keeps: a cost timed on other code is measured again. Without it the
     default repository kept costs timed before a faster attention kernel (0.35 of a step per draft token at 4 in
     flight where the new kernel measured 0.19-0.24), and the switch-off stopped code prompts at concurrency 4."""
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*.cpp")]):
+    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*.cpp"), *root.glob("csrc/*.h")]):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -185,9 +185,10 @@ def _prefilled(model: LlamaModel, batch: int, context: int, room: int) -> tuple[
 
 def _forward_call(model: LlamaModel, rows: list[int], context: int, kv,
                   tables: list[list[int]]) -> Callable[[], object]:
-    """A call of one forward of rows[i] new tokens (all with logits) on the sequence of tables[i] after its `context`
-    cached tokens (`_prefilled`)."""
-    seqs = [SequenceInput([2] * n, context, table, logits_rows=list(range(n))) for n, table in zip(rows, tables)]
+    """A call of one forward of rows[i] new tokens (all with logits, argmax only: a greedy request's rows) on the
+    sequence of tables[i] after its `context` cached tokens (`_prefilled`)."""
+    seqs = [SequenceInput([2] * n, context, table, logits_rows=list(range(n)), argmax_only=True)
+            for n, table in zip(rows, tables)]
     return lambda: model(seqs, kv)
 
 

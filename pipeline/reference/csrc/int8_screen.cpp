@@ -1,0 +1,146 @@
+// The output layer for rows that only need their argmax (Int8Screen, pipeline/reference/int8_screen.py), on AVX2 +
+// FMA + F16C: approximate logits from int8 weights, and the exact logit (the fp16 kernel's, bit for bit) of every
+// token that could be the row's top.
+//
+// Per row x [K] (float32) and token c, with the fp16 weights w_c the exact layer (fp16_weight_gemm.cpp) reads:
+//   exact_c  = the fp16 kernel's float32 fma chain x[0] w_c[0], ..., x[K-1] w_c[K-1] in order, from 0
+//   approx_c = (x^ . w^_c)(1 + d), |d| <= 3 * 2^-24   x^ = n r: x on the row's symmetric 16-bit grid (n int16,
+//                                                     r = max|x| / levels); w^_c = q_c * s_c: int8 q_c, channel
+//                                                     scale s_c; the sum exact in int32, three float roundings
+//   |approx_c - exact_c| <= bound_c = (||x|| a_c + ||x - x^|| b_c)(1 + 2^-10) + 2^-20 |approx_c|
+// where a_c = ||w_c - w^_c|| + gamma_K ||w_c|| (gamma_K: K float32 additions' relative error, the exact chain's)
+// and b_c = ||w^_c|| (Cauchy-Schwarz; the slack factors cover the float arithmetic of the bound itself). So
+// low = max_c (approx_c - bound_c) is at most the largest exact logit, and a token with approx_c + bound_c < low
+// cannot be the argmax: every other token (a candidate) gets its exact logit. The returned row's argmax is the exact
+// row's (the first of equal maxima too: a non-candidate lies strictly below); the rest is approximate. SmolLM2's
+// answers: 2 candidates per row (median), 18 at p99 (docs/benchmarks.md).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "int8_avx2_groups.h"
+
+namespace {
+
+constexpr int64_t FP16_GROUP = 8;  // fp16_weight_gemm.pack: [ceil(N / 8), K, 8]
+
+// Channel c's exact logit: the fp16 kernel's chain for it (its packed weights at stride 8), the same bits.
+float exact_logit(const float* x, int64_t K, const uint16_t* w16, int64_t c) {
+  const uint16_t* wc = w16 + (c / FP16_GROUP) * K * FP16_GROUP + c % FP16_GROUP;
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], _cvtsh_ss(wc[k * FP16_GROUP]), acc);
+  return acc;
+}
+
+// Row x [K] on its grid: q [Kp] int16 (padding 0); returns r and sets the norms ||x|| and ||x - n r|| (double).
+float round_row(const float* x, int64_t K, int64_t Kp, int64_t levels, int16_t* q, double* norm, double* error) {
+  float top = 0.0f;
+  for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(x[k]));
+  const float r = top / float(levels), inv = top > 0.0f ? float(levels) / top : 0.0f;
+  double sq = 0.0, err = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float n = std::min(float(levels), std::max(-float(levels), std::nearbyint(x[k] * inv)));
+    q[k] = int16_t(n);
+    const double d = double(x[k]) - double(n) * double(r);
+    sq += double(x[k]) * x[k], err += d * d;
+  }
+  for (int64_t k = K; k < Kp; ++k) q[k] = 0;
+  *norm = std::sqrt(sq), *error = std::sqrt(err);
+  return r;
+}
+
+// One row's screen over its approximate sums y [N] (float(sum) * s_c, scaled here by r): the candidates' exact logits.
+void screen_row(const float* x, int64_t K, float* y, int64_t N, float r, double norm, double error, const float* a,
+                const float* b, const uint16_t* w16) {
+  if (!std::isfinite(norm)) {  // an inf or NaN input: the whole row exactly (its NaNs where the exact layer has them)
+    for (int64_t c = 0; c < N; ++c) y[c] = exact_logit(x, K, w16, c);
+    return;
+  }
+  const __m256 vr = _mm256_set1_ps(r), vn = _mm256_set1_ps(float(norm)), ve = _mm256_set1_ps(float(error));
+  const __m256 slack = _mm256_set1_ps(1.0f + 0x1p-10f), rel = _mm256_set1_ps(0x1p-20f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  auto bound = [&](__m256 v, int64_t c) {
+    const __m256 weights = _mm256_fmadd_ps(vn, _mm256_loadu_ps(a + c), _mm256_mul_ps(ve, _mm256_loadu_ps(b + c)));
+    return _mm256_fmadd_ps(weights, slack, _mm256_mul_ps(rel, _mm256_andnot_ps(sign, v)));
+  };
+  const int64_t whole = N / 8 * 8;
+  __m256 low8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(y + c), vr);
+    _mm256_storeu_ps(y + c, v);
+    low8 = _mm256_max_ps(low8, _mm256_sub_ps(v, bound(v, c)));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, low8);
+  float low = -INFINITY;
+  for (float l : lanes) low = std::max(low, l);
+  auto scalar_bound = [&](float v, int64_t c) {
+    return (float(norm) * a[c] + float(error) * b[c]) * (1.0f + 0x1p-10f) + 0x1p-20f * std::fabs(v);
+  };
+  for (int64_t c = whole; c < N; ++c) {
+    y[c] *= r;
+    low = std::max(low, y[c] - scalar_bound(y[c], c));
+  }
+  const __m256 vlow = _mm256_set1_ps(low);
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 v = _mm256_loadu_ps(y + c);
+    for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, bound(v, c)), vlow, _CMP_GE_OQ)); mask != 0;
+         mask &= mask - 1)
+      y[c + __builtin_ctz(mask)] = exact_logit(x, K, w16, c + __builtin_ctz(mask));
+  }
+  for (int64_t c = whole; c < N; ++c)
+    if (y[c] + scalar_bound(y[c], c) >= low) y[c] = exact_logit(x, K, w16, c);
+}
+
+}  // namespace
+
+// x float32 [M, K] -> logits float32 [M, N] whose argmax is the exact layer's (above). packed: int8 q [ceil(N / 8),
+// Kp / 4, 8, 4] (int8_grid_gemm.pack); scales, a, b: float32 [N] (s_c, a_c, b_c above); zeros: int32 [N];
+// packed16: the fp16 weights as fp16_weight_gemm.pack packs them; levels: the grid's steps a side, with
+// K * levels * 127 < 2^31 (the int32 sums).
+at::Tensor int8_screen(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor zeros, at::Tensor a, at::Tensor b,
+                       at::Tensor packed16, int64_t levels) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "int8_screen: x must be float32 [rows, in]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scales.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4
+              && Kp >= K && packed.size(0) * GROUP >= N, "int8_screen: packed must come from int8_grid_gemm.pack for ",
+              K, " inputs and ", N, " outputs");
+  TORCH_CHECK(packed16.scalar_type() == at::kShort && packed16.dim() == 3 && packed16.size(1) == K
+              && packed16.size(2) == FP16_GROUP && packed16.size(0) * FP16_GROUP >= N,
+              "int8_screen: packed16 must come from fp16_weight_gemm.pack for the same weight");
+  for (const at::Tensor& t : {scales, a, b})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N, "int8_screen: scales, a and b "
+                "must be float32 [", N, "]");
+  TORCH_CHECK(zeros.scalar_type() == at::kInt && zeros.is_contiguous() && zeros.numel() == N,
+              "int8_screen: zeros must be int32 [", N, "]");
+  TORCH_CHECK(levels > 0 && levels <= INT16_MAX && double(Kp) * levels * 127 < 2147483648.0, "int8_screen: ", levels,
+              " levels overflow the int32 sums of ", Kp, " inputs");
+  auto qs = at::empty({M, Kp}, x.options().dtype(at::kShort));
+  std::vector<float> r(M);
+  std::vector<double> norm(M), error(M);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    r[m] = round_row(xp + m * K, K, Kp, levels, qs.data_ptr<int16_t>() + m * Kp, &norm[m], &error[m]);
+  auto out = at::empty({M, N}, x.options());
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t g0, int64_t g1) {
+    gemm_groups(qs.data_ptr<int16_t>(), M, Kp, packed.data_ptr<int8_t>(), zeros.data_ptr<int32_t>(),
+                scales.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);
+  });
+  const uint16_t* w16 = reinterpret_cast<const uint16_t*>(packed16.data_ptr<int16_t>());
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      screen_row(xp + m * K, K, out.data_ptr<float>() + m * N, N, r[m], norm[m], error[m], a.data_ptr<float>(),
+                 b.data_ptr<float>(), w16);
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
+  m.def("int8_screen(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor a, Tensor b, Tensor packed16, "
+        "int levels) -> Tensor", &int8_screen);
+}

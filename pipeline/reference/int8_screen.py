@@ -1,0 +1,84 @@
+"""The output layer for rows that only need their argmax, as the project's own kernel (csrc/int8_screen.cpp) where the
+CPU has AVX2, FMA and F16C: int8 weights give every logit approximately, with a rigorous bound per token, and every
+token that could be the row's top gets its exact logit from the fp16 weights, bit for bit what the exact layer
+(Float16Weights on the fp16 kernel) computes. So the row's argmax is the exact layer's, for half the bytes read.
+
+Only rows whose logits serve nothing but their argmax may take it (greedy requests without penalties, bans or returned
+logits: `SequenceInput.argmax_only`); every other row keeps the exact layer, so sampled tokens, log-probs and returned
+logits are unchanged. On SmolLM2's [49152, 576] output layer (AMD Zen3, 2 threads): 1.2 against 2.1 ms at one row,
+2.1 against 3.2 ms at six (docs/benchmarks.md). Where the kernel cannot run, or REFERENCE_INT8_SCREEN=0, `kernel()` is
+None and every row keeps the exact layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pipeline.reference import cpp_ops, fp16_weight_gemm, int8_grid_gemm
+
+ENV = "REFERENCE_INT8_SCREEN"  # "0": argmax-only rows take the exact output layer too
+AVX2 = cpp_ops.Build("int8_screen", "int8_screen", ("-O3", "-mavx2", "-mfma", "-mf16c"), torch.cpu._is_avx2_supported)
+INT32_LIMIT = 2**31 - 1
+INT8_MAX = 127
+FP32_UNIT_ROUNDOFF = 2**-24
+
+
+def switched_on() -> bool:
+    """Whether the environment allows the screen (REFERENCE_INT8_SCREEN is not "0")."""
+    return cpp_ops.switched_on(ENV)
+
+
+@functools.cache
+def kernel() -> cpp_ops.Build | None:
+    """The build Int8Screen runs here, or None where it cannot run (no AVX2, REFERENCE_INT8_SCREEN=0, or the build
+    failed: logged once)."""
+    return cpp_ops.first_build((AVX2,), ENV, "argmax-only rows take the exact output layer")
+
+
+def grid_levels(padded_inputs: int) -> int:
+    """The 16-bit input grid's steps a side: as many as int16 holds while every int32 sum of padded_inputs products
+    (each at most levels * 127) stays exact."""
+    return min(torch.iinfo(torch.int16).max, INT32_LIMIT // (INT8_MAX * padded_inputs))
+
+
+class Int8Screen:
+    """x [R, H] float32 -> logits [R, V] whose argmax is exactly that of `exact` (a PackedFloat16 of the fp16 weights
+    W16 [V, H]); the logits of the tokens that could be the top are exact_c bit for bit, the others approximate
+    (csrc/int8_screen.cpp derives the bound). A row's result depends on nothing but the row: batch-invariant."""
+
+    batch_invariant = True
+
+    def __init__(self, exact: fp16_weight_gemm.PackedFloat16, chunk: int = 4096):
+        if kernel() is None:
+            raise RuntimeError("Int8Screen: the int8 screen does not run on this CPU")
+        self.exact = exact
+        v, h = exact.out_features, exact.packed.shape[1]
+        w16 = exact.packed.view(torch.float16).transpose(1, 2).reshape(-1, h)[:v]  # [V, H] fp16 (unpacked copy)
+        q, scales, a, b = [], [], [], []
+        gamma = h * FP32_UNIT_ROUNDOFF / (1 - h * FP32_UNIT_ROUNDOFF)  # the exact chain's relative error, K additions
+        for i in range(0, v, chunk):  # float64 per chunk: the whole layer would be 8x its fp16 bytes
+            w = w16[i:i + chunk].double()
+            s = (w.abs().amax(dim=1) / INT8_MAX).float().clamp_min(torch.finfo(torch.float32).tiny)  # [chunk]
+            qi = torch.round(w / s.double()[:, None]).clamp(-INT8_MAX, INT8_MAX)
+            approx = qi * s.double()[:, None]  # w^_c = q_c * s_c as the kernel scales it
+            # rounded up to float32 (the kernel's slack covers the rest)
+            a.append(((w - approx).norm(dim=1) + gamma * w.norm(dim=1)).float().nextafter(torch.tensor(float("inf"))))
+            b.append(approx.norm(dim=1).float().nextafter(torch.tensor(float("inf"))))
+            q.append(qi.to(torch.int8))
+            scales.append(s)
+        self.packed = int8_grid_gemm.pack(torch.cat(q), *int8_grid_gemm.PACKING[int8_grid_gemm.AVX2])
+        self.scales, self.a, self.b = torch.cat(scales), torch.cat(a), torch.cat(b)
+        self.zeros = torch.zeros(v, dtype=torch.int32)
+        self.levels = grid_levels(self.packed.shape[1] * 4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, H] -> [R, V] float32 logits, exact at each row's top."""
+        return torch.ops.specdeploy.int8_screen(x.float(), self.packed, self.scales, self.zeros, self.a, self.b,
+                                                self.exact.packed, self.levels)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads (the int8 weights; the candidates' exact logits read a few fp16 rows more)."""
+        return self.packed.numel()
