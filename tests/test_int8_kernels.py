@@ -266,7 +266,9 @@ def test_argmax_only_rows_take_the_int8_screen_and_greedy_tokens_stay(int8_engin
                                        max_seq_len=256, max_input_len=128, max_draft_len=6)
     model = engine.model
     assert isinstance(model.argmax_layer, Int8Screen)
+    screened_bytes, screen = model.weight_bytes, model.argmax_layer
     model.argmax_layer = None
+    assert model.weight_bytes - screened_bytes == model.lm_head_linear.nbytes - screen.nbytes > 0  # the roofline's
     exact_tokens, _stats = drive(engine, list(enumerate(prompts())), stagger=True)
     assert exact_tokens == plain_tokens[qformat]  # plain_tokens ran with the screen
 
