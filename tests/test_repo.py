@@ -356,8 +356,8 @@ def test_draft_token_cost_is_measured_again_with_the_other_kernel(tiny_spec_engi
 
 
 def test_draft_token_cost_is_measured_again_with_other_engine_code(tiny_spec_engines, monkeypatch, tmp_path):
-    """The memo's key holds a digest of the engine's code (its Python, kernel sources and headers): a kernel change measures
-    the cost again, as a change to any other file of the engine does; files that are not code do not."""
+    """The memo's key holds a digest of the engine's code (its Python, kernel sources and headers): a kernel change
+    measures the cost again, as a change to any other file of the engine does; files that are not code do not."""
     import shutil
 
     from pipeline.reference import step_cost

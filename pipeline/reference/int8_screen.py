@@ -5,9 +5,9 @@ token that could be the row's top gets its exact logit from the fp16 weights, bi
 
 Only rows whose logits serve nothing but their argmax may take it (greedy requests without penalties, bans or returned
 logits: `SequenceInput.argmax_only`); every other row keeps the exact layer, so sampled tokens, log-probs and returned
-logits are unchanged. On SmolLM2's [49152, 576] output layer (AMD Zen3, 2 threads): 1.2 against 2.1 ms at one row,
-2.1 against 3.2 ms at six (docs/benchmarks.md). Where the kernel cannot run, or REFERENCE_INT8_SCREEN=0, `kernel()` is
-None and every row keeps the exact layer.
+logits are unchanged. On SmolLM2's [49152, 576] output layer (AMD Zen3, 2 threads, from memory): 1.3 against 2.0 ms
+at one row, 2.8 against 3.8 ms at six (docs/benchmarks.md). Where the kernel cannot run, or REFERENCE_INT8_SCREEN=0,
+`kernel()` is None and every row keeps the exact layer.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ tokens in one call instead of row by row, and speculative output still equals pl
 - ScreenedOutputLayer (that output layer on CPUs with AMX): every logit from oneDNN's bf16 GEMM, whose
   cost hardly grows with the rows, and the logits near each row's top recomputed exactly, so that the
   greedy argmax is the exact one. `output_layer_16bit` picks between the two.
+- Int8Screen (int8_screen.py; `argmax_output_layer`): where that layer is Float16Weights on the fp16 kernel, the rows
+  that need only their argmax (greedy requests) read an int8 copy, the tokens that could be the top recomputed on the
+  fp16 weights: the exact argmax for half the bytes.
 """
 
 from __future__ import annotations

@@ -259,7 +259,8 @@ class LlamaModel(torch.nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of weights one greedy decode step reads (the memory roofline's numerator): its logits row on the argmax
         layer where the model has one."""
-        nbytes = (self.argmax_layer or self.lm_head_linear).nbytes + sum(t.numel() * t.element_size() for t in [self.final_norm] if t is not None)
+        head = self.argmax_layer or self.lm_head_linear
+        nbytes = head.nbytes + sum(t.numel() * t.element_size() for t in [self.final_norm] if t is not None)
         for layer in self.layers:
             nbytes += sum(v.nbytes if hasattr(v, "nbytes") else v.numel() * v.element_size()
                           for k, v in layer.items() if v is not None)
