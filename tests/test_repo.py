@@ -20,9 +20,9 @@ from pipeline.repo.launch import ORCHESTRATOR_ENV, render_launch_script, tritons
 from pipeline import stack
 from pipeline.repo.validate import RepoError, load_config, validate_repo
 from pipeline.limits import TOKENS_PER_BLOCK
-from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm
+from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm, int8_screen
 from pipeline.reference.engine import Request
-from pipeline.reference.linear import DenseLinear, Float16Weights
+from pipeline.reference.linear import DenseLinear, Float16Weights, argmax_output_layer
 from pipeline.reference.step_cost import MAX_DRAFT_ROWS
 from pipeline.serving.reference_adapter import load_serving_engine
 from pipeline.spec import load_spec
@@ -100,9 +100,12 @@ def test_the_served_draft_engine_runs_its_output_layer_in_16_bits(reference_repo
     draft = engines["tensorrt_llm_draft"].model
     assert isinstance(draft.lm_head_linear, Float16Weights)
     assert isinstance(engines["tensorrt_llm"].model.lm_head_linear, DenseLinear)
+    # greedy rows on that layer's int8 screen where it runs
+    assert isinstance(draft.argmax_layer, int8_screen.Int8Screen) == (int8_screen.kernel() is not None)
     two_tokens = torch.zeros_like(draft.lm_head)
     two_tokens[5], two_tokens[9] = draft.lm_head[7], -draft.lm_head[7]
     draft.lm_head_linear.kernel.packed = fp16_weight_gemm.pack(two_tokens)
+    draft.argmax_layer = argmax_output_layer(draft.lm_head_linear)  # screening the swapped weights
     engine = engines["tensorrt_llm_draft"]
     engine.add_request(Request("r", list(range(3, 20)), 6))
     tokens = []
