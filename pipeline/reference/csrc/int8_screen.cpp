@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "int8_avx2_groups.h"
 
@@ -28,12 +29,35 @@ namespace {
 
 constexpr int64_t FP16_GROUP = 8;  // fp16_weight_gemm.pack: [ceil(N / 8), K, 8]
 
-// Channel c's exact logit: the fp16 kernel's chain for it (its packed weights at stride 8), the same bits.
-float exact_logit(const float* x, int64_t K, const uint16_t* w16, int64_t c) {
-  const uint16_t* wc = w16 + (c / FP16_GROUP) * K * FP16_GROUP + c % FP16_GROUP;
-  float acc = 0.0f;
-  for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], _cvtsh_ss(wc[k * FP16_GROUP]), acc);
-  return acc;
+// y[c] = the exact logit of each channel c of cs: the fp16 kernel's float32 fma chain over its packed weights (stride
+// 8), the same bits, 8 channels at a time (lane j runs channel j's chain), each weight gathered as the aligned 32-bit
+// word that holds it. One chain alone waits on its own fma (about 0.7 us for 576 inputs), and a row of flat logits
+// can have hundreds of candidates.
+void exact_logits(const float* x, int64_t K, const uint16_t* w16, const std::vector<int32_t>& cs, float* y) {
+  const int32_t* words = reinterpret_cast<const int32_t*>(w16);
+  const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (size_t i = 0; i < cs.size(); i += 8) {
+    alignas(32) int32_t word[8], shift[8];
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = cs[std::min(i + j, cs.size() - 1)];  // the last chunk repeats its last channel
+      const int64_t half = (c / FP16_GROUP) * K * FP16_GROUP + c % FP16_GROUP;  // k = 0
+      word[j] = int32_t(half / 2), shift[j] = int32_t(half % 2 * 16);
+    }
+    const __m256i base = _mm256_load_si256(reinterpret_cast<const __m256i*>(word));
+    const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {  // a channel's next weight is FP16_GROUP halves on: FP16_GROUP / 2 words
+      const __m256i w = _mm256_srlv_epi32(
+          _mm256_i32gather_epi32(words, _mm256_add_epi32(base, _mm256_set1_epi32(int32_t(k * FP16_GROUP / 2))), 4),
+          bits);
+      const __m256i low = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, order), 0x08);  // 8 halves in order
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(x[k]), _mm256_cvtph_ps(_mm256_castsi256_si128(low)), acc);
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc);
+    for (size_t j = 0; j < 8 && i + j < cs.size(); ++j) y[cs[i + j]] = out[j];
+  }
 }
 
 // Row x [K] on its grid: q [Kp] int16 (padding 0); returns r and sets the norms ||x|| and ||x - n r|| (double).
@@ -57,7 +81,9 @@ float round_row(const float* x, int64_t K, int64_t Kp, int64_t levels, int16_t* 
 void screen_row(const float* x, int64_t K, float* y, int64_t N, float r, double norm, double error, const float* a,
                 const float* b, const uint16_t* w16) {
   if (!std::isfinite(norm)) {  // an inf or NaN input: the whole row exactly (its NaNs where the exact layer has them)
-    for (int64_t c = 0; c < N; ++c) y[c] = exact_logit(x, K, w16, c);
+    std::vector<int32_t> every(N);
+    for (int64_t c = 0; c < N; ++c) every[c] = int32_t(c);
+    exact_logits(x, K, w16, every, y);
     return;
   }
   const __m256 vr = _mm256_set1_ps(r), vn = _mm256_set1_ps(float(norm)), ve = _mm256_set1_ps(float(error));
@@ -86,14 +112,16 @@ void screen_row(const float* x, int64_t K, float* y, int64_t N, float r, double 
     low = std::max(low, y[c] - scalar_bound(y[c], c));
   }
   const __m256 vlow = _mm256_set1_ps(low);
+  std::vector<int32_t> candidates;
   for (int64_t c = 0; c < whole; c += 8) {
     const __m256 v = _mm256_loadu_ps(y + c);
     for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(v, bound(v, c)), vlow, _CMP_GE_OQ)); mask != 0;
          mask &= mask - 1)
-      y[c + __builtin_ctz(mask)] = exact_logit(x, K, w16, c + __builtin_ctz(mask));
+      candidates.push_back(int32_t(c + __builtin_ctz(mask)));
   }
   for (int64_t c = whole; c < N; ++c)
-    if (y[c] + scalar_bound(y[c], c) >= low) y[c] = exact_logit(x, K, w16, c);
+    if (y[c] + scalar_bound(y[c], c) >= low) candidates.push_back(int32_t(c));
+  exact_logits(x, K, w16, candidates, y);
 }
 
 }  // namespace
