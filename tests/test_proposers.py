@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline.spec_stats import SpecStats, aggregate
-from pipeline.reference.policy import PolicyConfig, PolicyProposer
+from pipeline.reference.policy import POSITION_EVIDENCE, PolicyConfig, PolicyProposer
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices
 from pipeline.sequences import MATCH_LENGTH_CAP
@@ -474,6 +474,29 @@ def test_policy_cuts_a_steps_drafts_to_the_row_count_that_pays_best():
     for i in range(1, 4):
         policy.release(f"r{i}")
     assert ask(policy, n=1, k=2) == [2]
+
+
+def test_the_row_cut_prices_a_position_without_evidence_as_the_one_before():
+    """The cut would keep a position it never drafts at the prior (0.5) for good: with the first position's evidence
+    at 0.97 and none for the second, 2-token drafts at 4 in flight (0.1 of a step a row) were cut to one token. A
+    later position with less than POSITION_EVIDENCE draft tokens is priced as the one before, so the drafts stay
+    whole ((4 + 8 x 0.97) / 1.8 against (4 + 4 x 0.97) / 1.4); once the second position's evidence says it is never
+    accepted, the cut takes it off."""
+    costs = tuple(1.0 + 0.1 * rows for rows in range(9))
+    policy = PolicyProposer(FixedProposer(), PolicyConfig(num_draft_tokens=2, max_draft_tokens=2,
+                                                          row_costs=((4, costs),)))
+    for _ in range(8):
+        assert ask(policy, n=4, k=1) == [1] * 4
+        for i in range(4):
+            policy.update(f"r{i}", 1, 1)  # one-token drafts, every one accepted: evidence for the first position only
+    assert policy.position_proposed[0] > 16 and policy.position_proposed[1] == 0
+    assert ask(policy, n=4, k=2) == [2] * 4
+    for _ in range(5):
+        for i in range(4):
+            policy.update(f"r{i}", 1, 2)  # the second token never accepted
+        ask(policy, n=4, k=2)
+    assert policy.position_proposed[1] >= POSITION_EVIDENCE
+    assert ask(policy, n=4, k=2) == [1] * 4
 
 
 def test_policy_row_costs_past_the_measured_rows_grow_by_their_mean_cost_a_row():
