@@ -25,6 +25,11 @@ INT8_MAX = 127
 FP32_UNIT_ROUNDOFF = 2**-24
 
 
+def additions_error(n: int) -> float:
+    """gamma_n = n u / (1 - n u): the relative error bound of n float32 additions in any order (u = 2^-24)."""
+    return n * FP32_UNIT_ROUNDOFF / (1 - n * FP32_UNIT_ROUNDOFF)
+
+
 def switched_on() -> bool:
     """Whether the environment allows the screen (REFERENCE_INT8_SCREEN is not "0")."""
     return cpp_ops.switched_on(ENV)
@@ -57,7 +62,7 @@ class Int8Screen:
         v, h = exact.out_features, exact.packed.shape[1]
         w16 = exact.packed.view(torch.float16).transpose(1, 2).reshape(-1, h)[:v]  # [V, H] fp16 (unpacked copy)
         q, scales, a, b = [], [], [], []
-        gamma = h * FP32_UNIT_ROUNDOFF / (1 - h * FP32_UNIT_ROUNDOFF)  # the exact chain's relative error, K additions
+        gamma = additions_error(h)  # the exact chain's relative error
         for i in range(0, v, chunk):  # float64 per chunk: the whole layer would be 8x its fp16 bytes
             w = w16[i:i + chunk].double()
             s = (w.abs().amax(dim=1) / INT8_MAX).float().clamp_min(torch.finfo(torch.float32).tiny)  # [chunk]

@@ -269,7 +269,6 @@ def draft_output_layer(head):
 # oneDNN's bf16 GEMM gives a row the same bits in calls of 1 to 32 rows, on 1 or 2 threads, whatever the packing
 # hint (measured with torch 2.13 on AMX); from 33 rows on it blocks differently, so longer calls run in chunks
 SCREEN_ROWS = 32
-FP32_UNIT_ROUNDOFF = 2**-24
 # The screened layer's bf16 GEMM runs on this many threads where the machine has the cores and the rows keep their
 # bits there (checked where the layer is built), although the rest of a decode step runs on one: it is one large
 # call (SmolLM2's [49152, 576], 56 MB), so a second thread pays for its wake-up. Measured on the default engine
@@ -315,8 +314,7 @@ class ScreenedOutputLayer:
         wb = wb.float()
         self.max_norm = wb.norm(dim=1).max().item()  # max_c ||bf16(W16_c)||
         self.max_rounding_norm = (w16 - wb).norm(dim=1).max().item()  # max_c ||bf16(W16_c) - W16_c||
-        n_u = weight.shape[1] * FP32_UNIT_ROUNDOFF
-        self.gamma = n_u / (1 - n_u)  # the relative error of H fp32 additions in any order
+        self.gamma = int8_screen.additions_error(weight.shape[1])  # the relative error of H fp32 additions
         self.flushed = weight.shape[1] * 2**-125  # H products flushed to zero by vdpbf16ps, each below 2^-126
         self.threads = 1  # the bf16 GEMM's threads (output_layer_16bit raises it where the bits allow)
 
