@@ -226,9 +226,9 @@ class LLMEngine:
         engine_config = EngineConfig.from_engine_config(config, **config_overrides)
         pretrained = config.get("pretrained_config", config)
         model = LlamaModel(pretrained, state, batch_invariant=engine_config.batch_invariant)
-        if draft:  # and its greedy rows on that layer's int8 screen where it runs (the same proposals)
-            model.lm_head_linear = draft_output_layer(model.lm_head_linear)
-            model.argmax_layer = argmax_output_layer(model.lm_head_linear, model.dtype)
+        head = draft_output_layer(model.lm_head_linear) if draft else model.lm_head_linear
+        if head is not model.lm_head_linear:  # and its greedy rows on that layer's int8 screen where it runs
+            model.lm_head_linear, model.argmax_layer = head, argmax_output_layer(head, model.dtype)
         if proposer is None and (choices is not None or dynamic_top_k is not None):
             proposer = engine_proposer(pretrained, state, model, choices=choices, dynamic_top_k=dynamic_top_k,
                                        max_batch_size=engine_config.max_batch_size, max_seq_len=engine_config.max_seq_len)
