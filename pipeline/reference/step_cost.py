@@ -244,7 +244,7 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
             [ids.randrange(target.vocab_size) for _ in range(COST_CONTEXT)] for _ in range(batch)])
             for batch in batches]  # [batch][k]
     else:
-        draft = _served_model(draft_dir) if draft_dir is not None else None
+        draft = _served_model(draft_dir, draft=True) if draft_dir is not None else None
         by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
     return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))
 
@@ -261,9 +261,10 @@ def engine_row_costs(target_dir: str | Path, batches: tuple[int, ...],
                  for batch in batches)
 
 
-def _served_model(engine_dir: str | Path) -> LlamaModel:
+def _served_model(engine_dir: str | Path, draft: bool = False) -> LlamaModel:
     """An engine's model as a served engine runs it: loaded by LLMEngine with batch-invariant math (the serving
-    default), so with its compiled or fused layers and its decode steps on the thread count the engine measured."""
+    default), so with its compiled or fused layers and its decode steps on the thread count the engine measured; a
+    draft engine in the role the repository gives it (`engine_role: draft`: its output layer in 16 bits)."""
     from pipeline.reference.engine import LLMEngine
 
-    return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1).model
+    return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1, draft=draft).model
