@@ -48,10 +48,11 @@ bench-kernels: venv models
 		--tokenizer models/SmolLM2-135M-Instruct $(ARGS)
 
 # What prompt lookup can bring on the built-in prompt sets (tokens per target forward, counted on the default
-# engine's greedy answers: the first factor of `make bench`'s speedup split); writes out/bench-lookup/lookup.{md,json,png}.
+# engine's greedy answers: the first factor of `make bench`'s speedup split; the served engine's own policy replayed
+# from its repository); writes out/bench-lookup/lookup.{md,json,png}.
 bench-lookup: venv models
-	$(PY) -m pipeline engines examples/default.yaml >/dev/null
-	$(PY) -m pipeline.apps.lookup_ceiling --engine out/default/engines/target $(ARGS)
+	$(PY) -m pipeline repo examples/default.yaml >/dev/null
+	$(PY) -m pipeline.apps.lookup_ceiling --engine out/default/engines/target --repo out/default/model_repo $(ARGS)
 
 # Engine benchmark (not a test): our plain/speculative decoding vs transformers, roofline; writes docs/bench-engine.*.
 # Default is a short sweep (K 2,4, 2 prompts); ARGS="--full" for K 1..8.

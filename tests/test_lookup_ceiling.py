@@ -1,10 +1,11 @@
-"""`make bench-lookup`: the replay counts target forwards as the BLS's rounds would, and the tool runs end to end."""
+"""`make bench-lookup`: the replay counts target forwards as the BLS's rounds would, the served engine's replay counts
+what the engine itself does, and the tool runs end to end."""
 
 import json
 
 import pytest
 
-from pipeline.apps.lookup_ceiling import LookupPolicy, Replay, main, policies, replay
+from pipeline.apps.lookup_ceiling import LookupPolicy, Replay, main, policies, replay, replay_served
 from pipeline.serving.bls import BACK_OFF_TOKENS
 
 SERVED = LookupPolicy("served", k=5, miss_tokens=None, switch_off_below=0.0, adaptive=True)
@@ -74,13 +75,52 @@ def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_lo
 
 
 def test_the_ceiling_policy_never_switches_off_and_drafts_16():
-    engine, served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
+    served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
     assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
-    assert (engine.k, engine.miss_tokens, engine.adaptive, engine.min_token_prob) == (5, 1, True, 0.4)
     assert served.adaptive and uncut.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
     assert served.switch_off_below == uncut.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
     assert served.min_token_prob == 0.4 and uncut.min_token_prob == fixed.min_token_prob == ceiling.min_token_prob == 0
     assert Replay().tokens_per_forward() == 0.0
+
+
+# The served engine's lookup as a repository configures it, with costs that make the policy cut, probe and gate
+SERVED_PARAMETERS = {"speculative_mode": "ngram", "num_draft_tokens": "4", "ngram_min": "1", "ngram_max": "3",
+                     "ngram_min_token_prob": "0.3", "min_acceptance_rate": "0.1", "draft_token_cost": "1:0.2",
+                     "one_token_cost": "1:0.1", "row_cost": "2:1.0,1.1,1.2,1.5"}
+
+
+def test_the_served_engine_replay_counts_what_the_engine_did(tiny_spec_engines):
+    """replay_served over the engine's own greedy answers gives the engine's own forwards, drafted and accepted tokens,
+    request after request with the evidence carried over: it asks the repository's policy what the engine asks."""
+    from pipeline.reference.engine import Request
+    from pipeline.reference.sampling import SamplingParams
+    from pipeline.serving.reference_adapter import load_serving_engine, lookup_proposer
+    from pipeline.spec_stats import SpecStats
+
+    engine_dir = tiny_spec_engines.spec.out_dir / "engines" / "target"
+    max_draft_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_draft_len"]
+    engine = load_serving_engine(engine_dir, SERVED_PARAMETERS)
+    end_id = 294  # one of the tiny model's answers below ends on it, the others on their length
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6], [20, 21, 22, 23, 20, 21, 22, 23, 20, 21],
+               [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 30, 31, 32], [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]]
+    items, counts = [], SpecStats()
+    for number, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{number}", prompt, 40, SamplingParams(end_id=end_id), num_draft_tokens=4))
+        answer, finish_reason = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                answer += out.new_token_ids
+                if out.finished:
+                    finish_reason = out.finish_reason
+                    counts.add(out.stats)
+        items.append({"prompt": prompt, "answer": answer, "max_tokens": 40, "finish_reason": finish_reason})
+    replayed = replay_served(items, lookup_proposer(SERVED_PARAMETERS, max_draft_len), 4, end_id)
+    assert (replayed.forwards, replayed.drafted, replayed.accepted) == (
+        counts.target_forwards, counts.draft_tokens, counts.accepted_tokens)
+    reasons = [item["finish_reason"] for item in items]
+    assert sorted(set(reasons)) == ["end_id", "length"]
+    assert replayed.tokens == counts.generated_tokens + reasons.count("end_id")  # and each end token's step
+    assert 0 < replayed.accepted < replayed.drafted  # drafts were accepted and rejected: the policy had work to do
 
 
 def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path):
@@ -88,17 +128,24 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
     prompts.write_text(json.dumps({"prompt": "one two three four five six one two three four"}) + "\n"
                        + json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}) + "\n")
     engine = tiny_spec_engines.spec.out_dir / "engines" / "target"
+    repo = tmp_path / "repo"  # a repository's tensorrt_llm model that looks up in the engine
+    (repo / "tensorrt_llm").mkdir(parents=True)
+    (repo / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\n' + "".join(
+        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n' for key, value in SERVED_PARAMETERS.items()))
     out = tmp_path / "out"
     assert main(["--engine", str(engine), "--tokenizer", str(tiny_spec_engines.target_dir), "--prompts", str(prompts),
-                 "--max-tokens", "12", "--k", "3", "--out", str(out)]) == 0
+                 "--max-tokens", "12", "--k", "3", "--repo", str(repo), "--out", str(out)]) == 0
     report = json.loads((out / "lookup.json").read_text())
     assert 0 <= report["draft_token_cost"] < 5
     engine, served, uncut, fixed, every, ceiling = report["policies"].values()
-    for counts in (engine["copy"], served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
+    for counts in (served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
         assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
         assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
     assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers
-    assert "| in the engine: K<=3 adaptive" in (out / "lookup.md").read_text()
+    # the engine's row counts each end token's step too (2 answers)
+    assert served["copy"]["tokens"] <= engine["copy"]["tokens"] <= served["copy"]["tokens"] + 2
+    assert 0 < engine["copy"]["forwards"] <= engine["copy"]["tokens"]
+    assert "| the served engine: K<=4, the repository's policy" in (out / "lookup.md").read_text()
     assert (out / "lookup.png").stat().st_size > 0
 
 

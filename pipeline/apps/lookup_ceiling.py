@@ -10,9 +10,11 @@ step and calls cost nothing; with the measured cost c of a draft token (pipeline
 estimate is tokens / (forwards + c x drafted tokens).
 
 Policies:
-- in the engine: what the reference toolchain serves, prompt lookup inside the target engine's steps (the BLS's
-  rules below, but a lookup miss costs one plain step: the engine looks again at the next step; its pooled
-  switch-off is replayed as the BLS's back-off);
+- the served engine (with --repo, a model repository whose tensorrt_llm model looks up in the engine, the reference
+  toolchain's): the repository's own policy object (pipeline.serving.reference_adapter.lookup_proposer: its K, cut,
+  measured costs, switch-off, slow start, match classes and row cut), asked exactly as the engine asks it
+  (`replay_served`), one request after another as at concurrency 1, so its counts are the engine's own
+  (tests/test_lookup_ceiling.py runs both);
 - BLS rounds: what the trtllm toolchain serves, the BLS's rounds (at most K draft tokens, cut where the context
   disagrees when min_token_prob > 0;
   adaptive: one fewer after a partly rejected draft, two more after a fully accepted one,
@@ -31,7 +33,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.sequences import ngram_lookup
+from pipeline.reference.proposers import ProposalInput, Proposer
+from pipeline.sequences import common_prefix_len, ngram_lookup
 from pipeline.serving.bls import RoundPolicy
 
 CEILING_K = 16
@@ -110,13 +113,43 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     return out
 
 
+
+def replay_served(items: list[dict], proposer: Proposer, k: int, end_id: int | None) -> Replay:
+    """Count what the served engine's prompt lookup does over greedy answers (`greedy_answers`' items, in order):
+    `proposer` (the repository's, `lookup_proposer`) is asked as LLMEngine asks it with one request running
+    (pipeline.reference.engine: the gate `skips_step`, then `propose` with the committed tokens and K, then
+    `update` after the verify of a non-empty draft, `release` when the request ends; one request after another, so
+    the evidence carries over as it does in a server), and the answer says what the target accepts. Every engine
+    step is one forward, the one that completes the prompt included (it verifies a draft of the prompt alone), and
+    the step that produced the end token too (an answer that ended on end_id), so plain decoding takes one forward
+    per token counted."""
+    out = Replay()
+    for number, item in enumerate(items):
+        request_id, prompt = f"replay-{number}", item["prompt"]
+        target = item["answer"] + ([end_id] if item["finish_reason"] == "end_id" else [])
+        done = 0
+        while done < len(target):
+            draft: list[int] = []
+            if not proposer.skips_step([request_id], [done]):
+                [proposed] = proposer.propose([ProposalInput(request_id, prompt + target[:done], k,
+                                                             max_new_tokens=item["max_tokens"], num_generated=done)])
+                draft = proposed.token_ids[:k]
+            accepted = common_prefix_len(draft, target[done:])
+            if draft:
+                proposer.update(request_id, accepted, len(draft))
+            out.forwards += 1
+            out.drafted += len(draft)
+            out.accepted += accepted
+            done = min(done + accepted + 1, len(target))
+        out.tokens += len(target)
+        proposer.release(request_id)
+    return out
+
 def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
              min_token_prob: float) -> list[LookupPolicy]:
-    """The served policies (in the engine, BLS rounds), the BLS's without the cut and with fixed K, and the two that
-    bound them (module docstring)."""
-    return [LookupPolicy(f"in the engine: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes 1", k, 1,
-                         switch_off_below, True, min_ngram, max_ngram, min_token_prob),
-            LookupPolicy(f"BLS rounds: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
+    """The BLS's served policy, the same without the cut and with fixed K, and the two that bound them (module
+    docstring; the served engine's is its repository's own, `replay_served`)."""
+    return [LookupPolicy(f"BLS rounds: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
                          switch_off_below, True, min_ngram, max_ngram, min_token_prob),
             LookupPolicy(f"BLS rounds without the cut: K<={k} adaptive", k, None, switch_off_below, True, min_ngram, max_ngram),
             LookupPolicy(f"fixed K={k}, a miss decodes K+1", k, None, switch_off_below, False, min_ngram, max_ngram),
@@ -126,7 +159,8 @@ def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
 
 
 def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_tokens: int) -> dict[str, list[dict]]:
-    """Each prompt set's prompts (as serving tokenizes them) and the engine's greedy answers, one request at a time."""
+    """Each prompt set's prompts (as serving tokenizes them) and the engine's greedy answers, one request at a time:
+    per set a list of {prompt, answer (without the end token), max_tokens, finish_reason}."""
     from clients.bench import PromptSet
     from clients.chat import ChatTemplate
     from pipeline.reference.engine import Request
@@ -144,13 +178,16 @@ def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_t
         for number, item in enumerate(prompt_set.items):
             text = template.render(item["messages"]) if "messages" in item else item["prompt"]
             prompt = tokenizer.encode(text, add_special_tokens=False)
-            engine.add_request(Request(f"{name}-{number}", prompt, item.get("max_tokens", max_tokens),
+            limit = item.get("max_tokens", max_tokens)
+            engine.add_request(Request(f"{name}-{number}", prompt, limit,
                                        sampling=SamplingParams(end_id=tokenizer.eos_token_id)))
-            answer: list[int] = []
+            answer, finish_reason = [], None
             while engine.has_unfinished():
                 for output in engine.step():
                     answer += output.new_token_ids
-            answers[name].append({"prompt": prompt, "answer": answer})
+                    finish_reason = output.finish_reason or finish_reason
+            answers[name].append({"prompt": prompt, "answer": answer, "max_tokens": limit,
+                                  "finish_reason": finish_reason})
         print(f"  {name}: {len(answers[name])} greedy answers, {sum(len(a['answer']) for a in answers[name])} tokens",
               flush=True)
     return answers
@@ -168,6 +205,23 @@ def evaluate(answers: dict[str, list[dict]], rules: list[LookupPolicy]) -> dict[
             result[policy.name][name] = total
     return result
 
+
+
+def replay_repository(parameters: dict[str, str], engine_dir: Path, tokenizer_dir: Path,
+                      answers: dict[str, list[dict]]) -> dict[str, dict[str, Replay]]:
+    """The served engine's row: per prompt set, `replay_served` with a fresh policy built from the repository's
+    tensorrt_llm parameters as the server builds it, at the K its requests carry (the spec's, within the engine's
+    max_draft_len)."""
+    from pipeline.serving.reference_adapter import lookup_proposer
+    from pipeline.serving.text import load_tokenizer
+
+    max_draft_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_draft_len"]
+    k = min(int(parameters.get("num_draft_tokens", max_draft_len)), max_draft_len)
+    end_id = load_tokenizer(tokenizer_dir).eos_token_id
+    name = (f"the served engine: K<={k}, the repository's policy (costs, switch-off, classes, row cut), "
+            f"cut below {float(parameters.get('ngram_min_token_prob', 0)):g}")
+    return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len), k, end_id)
+                   for s, items in answers.items()}}
 
 def render_markdown(result: dict[str, dict[str, Replay]], draft_token_cost: float, header: str) -> str:
     """One row per policy: per prompt set tokens per forward, acceptance and the estimate with cost c."""
@@ -223,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the served lookup's cut (speculative.ngram.min_token_prob; examples/default.yaml's 0.4)")
     p.add_argument("--min-acceptance-rate", type=float, default=0.1,
                    help="the spec's switch-off floor (the bar is the larger of it and the measured cost)")
+    p.add_argument("--repo", type=Path, help="a model repository (make repo) whose engine's own lookup policy is "
+                   "replayed as well (the reference toolchain's: prompt lookup inside the engine)")
     p.add_argument("--out", type=Path, default=Path("out/bench-lookup"))
     args = p.parse_args(argv)
     try:
@@ -231,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ngram {args.ngram!r}: give min_ngram,max_ngram, e.g. --ngram 1,3")
     if not args.engine.is_dir():
         p.error(f"--engine {args.engine}: no such engine directory (build it: make engines)")
+    from pipeline.apps.bench_engine import served_lookup_parameters
     from pipeline.reference.step_cost import engine_draft_token_costs
+
+    served = served_lookup_parameters(args.repo) if args.repo is not None else None
 
     print(f"greedy answers of {args.engine} (max {args.max_tokens} tokens) ...", flush=True)
     answers = greedy_answers(args.engine, args.tokenizer, args.prompts.split(","), args.max_tokens)
@@ -239,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured cost of a draft token: {cost:.2f} plain steps (K={args.k}, batch 1)", flush=True)
     result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram,
                                         args.min_token_prob))
+    if served is not None:
+        result = {**replay_repository(served, args.engine, args.tokenizer, answers), **result}
     markdown = render_markdown(result, cost, f"# Prompt lookup on {args.engine}'s greedy answers (ngram {min_ngram}-{max_ngram})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lookup.md").write_text(markdown)
