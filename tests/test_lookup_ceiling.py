@@ -75,12 +75,28 @@ def test_a_partly_rejected_draft_makes_the_next_one_shorter_and_a_full_accept_lo
 
 
 def test_the_ceiling_policy_never_switches_off_and_drafts_16():
-    served, uncut, fixed, every, ceiling = policies(5, 0.3, 1, 3, 0.4)
+    served, uncut, fixed, every, oracle, ceiling = policies(5, 0.3, 1, 3, 0.4)
     assert (served.k, served.miss_tokens, every.miss_tokens, ceiling.k, ceiling.switch_off_below) == (5, None, 1, 16, 0.0)
+    assert (oracle.k, oracle.miss_tokens, oracle.switch_off_below, oracle.oracle) == (5, 1, 0.0, True)
+    assert not any(policy.oracle for policy in (served, uncut, fixed, every, ceiling))
     assert served.adaptive and uncut.adaptive and not (fixed.adaptive or every.adaptive or ceiling.adaptive)
     assert served.switch_off_below == uncut.switch_off_below == fixed.switch_off_below == every.switch_off_below == 0.3
     assert served.min_token_prob == 0.4 and uncut.min_token_prob == fixed.min_token_prob == ceiling.min_token_prob == 0
     assert Replay().tokens_per_forward() == 0.0
+
+
+def test_the_oracle_drafts_only_accepted_tokens_and_takes_the_forwards_of_drafting_every_token():
+    # a copied stretch, a new word, then the stretch again with a change: drafts accepted in full, in part, not at all
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    answer = [1, 2, 3, 4, 5, 40, 41, 1, 2, 3, 99, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]
+    oracle = LookupPolicy("oracle", k=5, miss_tokens=1, switch_off_below=0.0, oracle=True)
+    every = LookupPolicy("every token", k=5, miss_tokens=1, switch_off_below=0.0)
+    bounded, drafting = replay(prompt, answer, oracle), replay(prompt, answer, every)
+    assert bounded.drafted == bounded.accepted > 0  # no rejected row
+    assert (bounded.forwards, bounded.accepted) == (drafting.forwards, drafting.accepted)
+    assert drafting.drafted > drafting.accepted  # the same lookup drafted rows the target rejected
+    assert bounded.estimated_speedup(0.2) > drafting.estimated_speedup(0.2)
+    assert bounded.estimated_speedup(0.0) == drafting.estimated_speedup(0.0)
 
 
 # The served engine's lookup as a repository configures it, with costs that make the policy cut, probe and gate
@@ -137,8 +153,9 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
                  "--max-tokens", "12", "--k", "3", "--repo", str(repo), "--out", str(out)]) == 0
     report = json.loads((out / "lookup.json").read_text())
     assert 0 <= report["draft_token_cost"] < 5
-    engine, served, uncut, fixed, every, ceiling = report["policies"].values()
-    for counts in (served["copy"], uncut["copy"], fixed["copy"], every["copy"], ceiling["copy"]):
+    engine, served, uncut, fixed, every, oracle, ceiling = report["policies"].values()
+    assert oracle["copy"]["drafted"] == oracle["copy"]["accepted"]
+    for counts in (served["copy"], uncut["copy"], fixed["copy"], every["copy"], oracle["copy"], ceiling["copy"]):
         assert 0 < counts["tokens"] <= 12 + 6 and counts["accepted"] <= counts["drafted"]
         assert 0 < counts["forwards"] <= counts["tokens"]  # drafting never costs forwards, it can only save them
     assert served["copy"]["tokens"] == every["copy"]["tokens"] == ceiling["copy"]["tokens"]  # the same answers

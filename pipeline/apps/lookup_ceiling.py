@@ -23,6 +23,8 @@ Policies:
 - BLS rounds without the cut: the same with min_token_prob 0 (the whole continuation, up to the draft length);
 - fixed K: the BLS rounds with K never changing and no cut (the BLS before 2026-12-02);
 - every token: the lookup runs again after every plain token (a miss costs one forward);
+- oracle: every token, but each draft cut to the tokens the target will accept (it knows the answer): no rejected
+  row, so its estimate bounds what any policy can take from this lookup at K (when to draft and how far);
 - every token, K=16, no switch-off: prompt lookup's ceiling on these answers (longer drafts, never giving up).
 """
 
@@ -44,7 +46,8 @@ CEILING_K = 16
 class LookupPolicy:
     """How a request drafts: at most K tokens per round (adaptive: the BLS's draft length schedule, else always K),
     plain tokens per lookup miss (None: draft length + 1, as the BLS), the switch-off bar
-    (pipeline.serving.bls.RoundPolicy; 0: never), and the lookup's settings (pipeline.sequences.ngram_lookup)."""
+    (pipeline.serving.bls.RoundPolicy; 0: never), the lookup's settings (pipeline.sequences.ngram_lookup), and
+    whether it drafts only the looked-up tokens the target will accept (`oracle`: it knows the answer)."""
 
     name: str
     k: int
@@ -54,6 +57,7 @@ class LookupPolicy:
     min_ngram: int = 1
     max_ngram: int = 3
     min_token_prob: float = 0.0
+    oracle: bool = False
 
 
 @dataclass
@@ -95,14 +99,14 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
             break
         k = min(schedule.draft_len, remaining - 1)
         draft, _ = ngram_lookup(prompt + answer[:done], k, policy.min_ngram, policy.max_ngram, policy.min_token_prob)
-        accepted = 0
+        accepted = common_prefix_len(draft, answer[done:])
+        if policy.oracle:
+            draft = draft[:accepted]
         if not draft:
             plain = min(k + 1 if policy.miss_tokens is None else policy.miss_tokens, remaining)
             out.forwards += plain
             done += plain
         else:
-            while accepted < len(draft) and draft[accepted] == answer[done + accepted]:
-                accepted += 1
             out.forwards += 1
             out.drafted += len(draft)
             out.accepted += accepted
@@ -147,13 +151,15 @@ def replay_served(items: list[dict], proposer: Proposer, k: int, end_id: int | N
 
 def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
              min_token_prob: float) -> list[LookupPolicy]:
-    """The BLS's served policy, the same without the cut and with fixed K, and the two that bound them (module
+    """The BLS's served policy, the same without the cut and with fixed K, and the three that bound them (module
     docstring; the served engine's is its repository's own, `replay_served`)."""
     return [LookupPolicy(f"BLS rounds: K<={k} adaptive, cut below {min_token_prob:g}, a miss decodes K+1", k, None,
                          switch_off_below, True, min_ngram, max_ngram, min_token_prob),
             LookupPolicy(f"BLS rounds without the cut: K<={k} adaptive", k, None, switch_off_below, True, min_ngram, max_ngram),
             LookupPolicy(f"fixed K={k}, a miss decodes K+1", k, None, switch_off_below, False, min_ngram, max_ngram),
             LookupPolicy(f"every token: K={k}, a miss decodes 1", k, 1, switch_off_below, False, min_ngram, max_ngram),
+            LookupPolicy(f"oracle: K={k} every token, drafts only what the target accepts (knows the answer)", k, 1,
+                         0.0, False, min_ngram, max_ngram, oracle=True),
             LookupPolicy(f"ceiling: K={CEILING_K}, a miss decodes 1, no switch-off", CEILING_K, 1, 0.0, False,
                          min_ngram, max_ngram)]
 
