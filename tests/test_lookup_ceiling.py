@@ -146,8 +146,9 @@ def test_the_tool_writes_its_report_on_a_real_engine(tiny_spec_engines, tmp_path
     engine = tiny_spec_engines.spec.out_dir / "engines" / "target"
     repo = tmp_path / "repo"  # a repository's tensorrt_llm model that looks up in the engine
     (repo / "tensorrt_llm").mkdir(parents=True)
-    (repo / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\n' + "".join(
-        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n' for key, value in SERVED_PARAMETERS.items()))
+    parameter = 'parameters {{ key: "{}" value {{ string_value: "{}" }} }}\n'
+    (repo / "tensorrt_llm" / "config.pbtxt").write_text(
+        'name: "tensorrt_llm"\n' + "".join(parameter.format(*item) for item in SERVED_PARAMETERS.items()))
     out = tmp_path / "out"
     assert main(["--engine", str(engine), "--tokenizer", str(tiny_spec_engines.target_dir), "--prompts", str(prompts),
                  "--max-tokens", "12", "--k", "3", "--repo", str(repo), "--out", str(out)]) == 0

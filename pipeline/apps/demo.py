@@ -8,9 +8,10 @@ prompt-lookup speculation pays.
 The speedup of a prompt is the median over `repeats` pairs of runs (plain, then speculative, back to
 back; the first pair is the one streamed to the terminal): one pair on a shared 2-core machine swings
 by about 0.2x, and on the AVX2 host a prompt's median of 3 pairs moved from 1.23x to 1.81x between two runs
-minutes apart (docs/benchmarks.md), so 5 pairs (about 4 s more than 3). Each prompt is sent once for one token before its pairs, so every run finds the prompt's KV
-blocks cached (the server reuses prefixes): otherwise the first plain run alone paid the prompt's prefill
-(0.14 s of its 0.60 on a Zen3 host, where its speculative run waited 0.02 s for its first text).
+minutes apart (docs/benchmarks.md), so 5 pairs (about 4 s more than 3). Each prompt is sent once for one token
+before its pairs, so every run finds the prompt's KV blocks cached (the server reuses prefixes): otherwise the
+first plain run alone paid the prompt's prefill (0.14 s of its 0.60 on a Zen3 host, where its speculative run
+waited 0.02 s for its first text).
 """
 
 from __future__ import annotations

@@ -117,7 +117,6 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     return out
 
 
-
 def replay_served(items: list[dict], proposer: Proposer, k: int, end_id: int | None) -> Replay:
     """Count what the served engine's prompt lookup does over greedy answers (`greedy_answers`' items, in order):
     `proposer` (the repository's, `lookup_proposer`) is asked as LLMEngine asks it with one request running
@@ -148,6 +147,7 @@ def replay_served(items: list[dict], proposer: Proposer, k: int, end_id: int | N
         out.tokens += len(target)
         proposer.release(request_id)
     return out
+
 
 def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
              min_token_prob: float) -> list[LookupPolicy]:
@@ -212,7 +212,6 @@ def evaluate(answers: dict[str, list[dict]], rules: list[LookupPolicy]) -> dict[
     return result
 
 
-
 def replay_repository(parameters: dict[str, str], engine_dir: Path, tokenizer_dir: Path,
                       answers: dict[str, list[dict]]) -> dict[str, dict[str, Replay]]:
     """The served engine's row: per prompt set, `replay_served` with a fresh policy built from the repository's
@@ -228,6 +227,7 @@ def replay_repository(parameters: dict[str, str], engine_dir: Path, tokenizer_di
             f"cut below {float(parameters.get('ngram_min_token_prob', 0)):g}")
     return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len), k, end_id)
                    for s, items in answers.items()}}
+
 
 def render_markdown(result: dict[str, dict[str, Replay]], draft_token_cost: float, header: str) -> str:
     """One row per policy: per prompt set tokens per forward, acceptance and the estimate with cost c."""
