@@ -88,6 +88,10 @@ def test_row_cost_parameter_holds_a_cost_per_draft_row_count_per_batch_size():
     assert format_row_costs(()) == "0" and parse_row_costs("0") == () == parse_row_costs("")
     with pytest.raises(ValueError, match="parameter row_cost '1:1.0,x': give 'batch:cost,cost,...' per batch size"):
         parse_row_costs("1:1.0,x")
+    # the policy divides by the costs: a zero, a negative, an infinite or a NaN cost is refused at load, by name
+    for bad in ("1:1,0", "2:1,-1.2", "4:1,inf", "1:1,nan", "0:1,1.1"):
+        with pytest.raises(ValueError, match=f"parameter row_cost '{bad}': .* with positive costs .* `pipeline repo`"):
+            parse_row_costs(bad)
 
 
 def test_draft_token_cost_parameter_holds_costs_per_batch_size():

@@ -134,16 +134,20 @@ def format_row_costs(costs: tuple[tuple[int, tuple[float, ...]], ...]) -> str:
 
 def parse_row_costs(text: str) -> tuple[tuple[int, tuple[float, ...]], ...]:
     """((batch, (cost with 0, 1, 2, ... draft rows)), ...) from the row_cost parameter (`format_row_costs`; "0" or
-    empty: not measured, ())."""
+    empty: not measured, ()). Every cost must be a positive finite number (the policy divides by them,
+    PolicyProposer.fit_rows: a 0 made every drafting step raise), every batch size at least 1."""
     text = text.strip()
     if text in ("", "0"):
         return ()
+    fix = "give 'batch:cost,cost,...' per batch size with positive costs (e.g. '1:1,1.12 4:1,1,1.04')"
     try:
         pairs = [pair.split(":") for pair in text.split()]
-        return tuple((int(batch), tuple(float(c) for c in row.split(","))) for batch, row in pairs)
+        costs = tuple((int(batch), tuple(float(c) for c in row.split(","))) for batch, row in pairs)
     except ValueError:
-        raise ValueError(f"parameter row_cost {text!r}: give 'batch:cost,cost,...' per batch size "
-                         "(e.g. '1:1,1.12 4:1,1,1.04')") from None
+        raise ValueError(f"parameter row_cost {text!r}: {fix}") from None
+    if any(batch < 1 or not all(0 < c < math.inf for c in row) for batch, row in costs):
+        raise ValueError(f"parameter row_cost {text!r}: {fix}; `pipeline repo` measures them")
+    return costs
 
 
 def cost_at_batch_one(text: str) -> float:
