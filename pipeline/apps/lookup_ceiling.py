@@ -117,19 +117,19 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     return out
 
 
-def replay_served(items: list[dict], proposer: Proposer, k: int, end_id: int | None) -> Replay:
+def replay_served(items: list[dict], proposer: Proposer, k: int) -> Replay:
     """Count what the served engine's prompt lookup does over greedy answers (`greedy_answers`' items, in order):
     `proposer` (the repository's, `lookup_proposer`) is asked as LLMEngine asks it with one request running
     (pipeline.reference.engine: the gate `skips_step`, then `propose` with the committed tokens and K, then
     `update` after the verify of a non-empty draft, `release` when the request ends; one request after another, so
     the evidence carries over as it does in a server), and the answer says what the target accepts. Every engine
     step is one forward, the one that completes the prompt included (it verifies a draft of the prompt alone), and
-    the step that produced the end token too (an answer that ended on end_id), so plain decoding takes one forward
+    the step that produced the end token too (an answer that ended on its end_id), so plain decoding takes one forward
     per token counted."""
     out = Replay()
     for number, item in enumerate(items):
         request_id, prompt = f"replay-{number}", item["prompt"]
-        target = item["answer"] + ([end_id] if item["finish_reason"] == "end_id" else [])
+        target = item["answer"] + ([item["end_id"]] if item["finish_reason"] == "end_id" else [])
         done = 0
         while done < len(target):
             draft: list[int] = []
@@ -166,7 +166,7 @@ def policies(k: int, switch_off_below: float, min_ngram: int, max_ngram: int,
 
 def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_tokens: int) -> dict[str, list[dict]]:
     """Each prompt set's prompts (as serving tokenizes them) and the engine's greedy answers, one request at a time:
-    per set a list of {prompt, answer (without the end token), max_tokens, finish_reason}."""
+    per set a list of {prompt, answer (without the end token), max_tokens, end_id, finish_reason}."""
     from clients.bench import PromptSet
     from clients.chat import ChatTemplate
     from pipeline.reference.engine import Request
@@ -193,7 +193,7 @@ def greedy_answers(engine_dir: Path, tokenizer_dir: Path, sets: list[str], max_t
                     answer += output.new_token_ids
                     finish_reason = output.finish_reason or finish_reason
             answers[name].append({"prompt": prompt, "answer": answer, "max_tokens": limit,
-                                  "finish_reason": finish_reason})
+                                  "end_id": tokenizer.eos_token_id, "finish_reason": finish_reason})
         print(f"  {name}: {len(answers[name])} greedy answers, {sum(len(a['answer']) for a in answers[name])} tokens",
               flush=True)
     return answers
@@ -212,20 +212,18 @@ def evaluate(answers: dict[str, list[dict]], rules: list[LookupPolicy]) -> dict[
     return result
 
 
-def replay_repository(parameters: dict[str, str], engine_dir: Path, tokenizer_dir: Path,
+def replay_repository(parameters: dict[str, str], engine_dir: Path,
                       answers: dict[str, list[dict]]) -> dict[str, dict[str, Replay]]:
     """The served engine's row: per prompt set, `replay_served` with a fresh policy built from the repository's
-    tensorrt_llm parameters as the server builds it, at the K its requests carry (the spec's, within the engine's
-    max_draft_len)."""
+    tensorrt_llm parameters as the server builds it, at the K its requests carry (the policy's: the spec's, within
+    the engine's max_draft_len)."""
     from pipeline.serving.reference_adapter import lookup_proposer
-    from pipeline.serving.text import load_tokenizer
 
     max_draft_len = json.loads((engine_dir / "config.json").read_text())["build_config"]["max_draft_len"]
-    k = min(int(parameters.get("num_draft_tokens", max_draft_len)), max_draft_len)
-    end_id = load_tokenizer(tokenizer_dir).eos_token_id
+    k = lookup_proposer(parameters, max_draft_len).config.num_draft_tokens
     name = (f"the served engine: K<={k}, the repository's policy (costs, switch-off, classes, row cut), "
             f"cut below {float(parameters.get('ngram_min_token_prob', 0)):g}")
-    return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len), k, end_id)
+    return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len), k)
                    for s, items in answers.items()}}
 
 
@@ -305,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate(answers, policies(args.k, max(args.min_acceptance_rate, cost), min_ngram, max_ngram,
                                         args.min_token_prob))
     if served is not None:
-        result = {**replay_repository(served, args.engine, args.tokenizer, answers), **result}
+        result = {**replay_repository(served, args.engine, answers), **result}
     markdown = render_markdown(result, cost, f"# Prompt lookup on {args.engine}'s greedy answers (ngram {min_ngram}-{max_ngram})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lookup.md").write_text(markdown)
