@@ -251,8 +251,9 @@ def test_int8_speculative_greedy_equals_plain_greedy(int8_engines, plain_tokens,
     assert accepted > 0  # drafts were verified in batched calls, not skipped
 
 
-@pytest.mark.skipif(SCREEN is not None or not torch.cpu._is_avx2_supported(),
-                    reason="the int8 screen serves argmax-only rows where the output layer is Float16Weights (AVX2)")
+@pytest.mark.skipif(not (torch.cpu._is_vnni_supported() if SCREEN else torch.cpu._is_avx2_supported()),
+                    reason="the int8 screen serves argmax-only rows over Float16Weights (AVX2) or ScreenedOutputLayer "
+                           "(its AVX-512 VNNI build)")
 @pytest.mark.parametrize("qformat", ["int8_wo", "int8_sq"])
 def test_argmax_only_rows_take_the_int8_screen_and_greedy_tokens_stay(int8_engines, plain_tokens, qformat):
     """Greedy requests' rows run the int8 screen (the engine marks them argmax_only): the same plain greedy tokens as
@@ -287,6 +288,9 @@ def test_argmax_only_rows_take_the_int8_screen_and_greedy_tokens_stay(int8_engin
             [0, 3, len(ids) - 1]]))
     assert torch.equal(screened.argmax(dim=1), exact.argmax(dim=1)) and not torch.equal(screened, exact)
     assert torch.equal(logits([False, True, False]), torch.cat([exact, screened, exact]))
+    # more argmax-only rows than pay on the screen (over ScreenedOutputLayer: 3 x 3 > 6) take the exact layer
+    many = logits([True, True, True])
+    assert torch.equal(many, torch.cat([exact] * 3) if screen.max_rows else torch.cat([screened] * 3))
     assert LLMEngine.from_engine_dir(int8_engines["float16"]).model.argmax_layer is None
 
 

@@ -21,9 +21,9 @@ tokens in one call instead of row by row, and speculative output still equals pl
 - ScreenedOutputLayer (that output layer on CPUs with AMX): every logit from oneDNN's bf16 GEMM, whose
   cost hardly grows with the rows, and the logits near each row's top recomputed exactly, so that the
   greedy argmax is the exact one. `output_layer_16bit` picks between the two.
-- Int8Screen (int8_screen.py; `argmax_output_layer`): where that layer is Float16Weights on the fp16 kernel, the rows
-  that need only their argmax (greedy requests) read an int8 copy, the tokens that could be the top recomputed on the
-  fp16 weights: the exact argmax for half the bytes.
+- Int8Screen (int8_screen.py; `argmax_output_layer`): where that layer is Float16Weights on the fp16 kernel, or
+  ScreenedOutputLayer with AVX-512, the rows that need only their argmax (greedy requests) read an int8 copy, the
+  tokens that could be the top recomputed as that layer computes them: the exact argmax for half the bytes.
 """
 
 from __future__ import annotations
@@ -275,6 +275,11 @@ SCREEN_ROWS = 32
 # after 300 tokens: a step 20.4 -> 18.6-19.5 ms, a 6-token verify 27.2-28.4 -> 25.9-26.1 ms, logits unchanged.
 # The int8 GEMMs gained nothing from a second thread (120 calls of 0.05-0.1 ms each: the wake-ups eat it).
 OUTPUT_LAYER_THREADS = 2
+# Argmax-only calls of up to this many rows run on the int8 screen rather than ScreenedOutputLayer (the same argmax):
+# SmolLM2's output layer from memory on AMD Zen4, 2 threads, best of 40: 0.7-0.8 against 1.1-1.5 ms at one row, 1.1
+# against 1.2-1.5 at six, 1.8 against 1.5-1.8 at eight (the screen's GEMM takes rows 6 at a time and grows with them,
+# the bf16 kernel's hardly)
+SCREEN_OVER_BF16_ROWS = 6
 
 
 class ScreenedOutputLayer:
@@ -436,13 +441,17 @@ def output_layer_16bit(weight: torch.Tensor):
 
 
 def argmax_output_layer(exact, dtype: torch.dtype = torch.float32) -> int8_screen.Int8Screen | None:
-    """The layer for an output layer's argmax-only rows (greedy decoding): Int8Screen over `exact`'s fp16 weights where
-    `exact` is a Float16Weights on the fp16 kernel of a float32 model and the screen runs here (AVX2: the same argmax,
-    half the bytes), else None (those rows take `exact` too; ScreenedOutputLayer is already bf16 for every row). A
-    float16 model rounds its logits to fp16, whose ties could fall to a token the screen left approximate."""
-    if (dtype == torch.float32 and isinstance(exact, Float16Weights) and exact.kernel is not None
-            and exact.bias is None and int8_screen.kernel()):
+    """The layer for an output layer's argmax-only rows (greedy decoding) of a float32 model: Int8Screen over `exact`'s
+    fp16 weights where the screen runs here and `exact` is a Float16Weights on the fp16 kernel (AVX2: the same argmax,
+    half the bytes) or a ScreenedOutputLayer (AVX-512: the same argmax for half its bf16 GEMM's bytes, up to
+    SCREEN_OVER_BF16_ROWS rows a call), else None (those rows take `exact` too). A float16 model rounds its logits to
+    fp16, whose ties could fall to a token the screen left approximate."""
+    if dtype != torch.float32 or not int8_screen.kernel():
+        return None
+    if isinstance(exact, Float16Weights) and exact.kernel is not None and exact.bias is None:
         return int8_screen.Int8Screen(exact.kernel)
+    if isinstance(exact, ScreenedOutputLayer) and int8_screen.screens_bf16_layer():
+        return int8_screen.Int8Screen(exact.weight16, max_rows=SCREEN_OVER_BF16_ROWS)
     return None
 
 

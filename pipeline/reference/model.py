@@ -337,9 +337,12 @@ class LlamaModel(torch.nn.Module):
     def _logits(self, hidden: torch.Tensor, logits_index: torch.Tensor | None,
                 argmax_rows: list[bool] | None = None) -> torch.Tensor:
         """The output layer on the rows of hidden [T, hidden] that want logits (None: all) -> [R, vocab] float32; the
-        rows argmax_rows marks (None: none) on the argmax layer where the model has one."""
+        rows argmax_rows marks (None: none) on the argmax layer where the model has one and they are few enough for it
+        to pay (Int8Screen.max_rows; either layer gives them the same argmax)."""
         rows = hidden.index_select(0, logits_index) if logits_index is not None else hidden
-        if self.argmax_layer is None or argmax_rows is None:
+        screen = self.argmax_layer
+        if (screen is None or argmax_rows is None
+                or screen.max_rows is not None and sum(argmax_rows) > screen.max_rows):
             return self._linear(rows, self.lm_head_linear).float()
         if all(argmax_rows):
             return self.argmax_layer(rows)

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "exact_logit.h"
+
 namespace {
 
 constexpr int64_t GROUP = 64;    // output channels per packed group: 4 zmm accumulators of 16 float32
@@ -70,25 +72,6 @@ inline float bf16_round(float x) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
-}
-
-// fp32(x . w summed in float64): xd [H] the row in float64, w [H] the token's fp16 weights. Each product is exact in
-// float64 (11 x 24 significant bits), so only the sum's order moves its last float64 bits, which the final rounding
-// to float32 hides (tested against torch's sum, a different order): 8 float64 lanes per fused multiply-add, two
-// chains, then the lanes' sum. One scalar loop through at::Half's conversion took about 1 us a candidate; SmolLM2's
-// rows have 5-100.
-inline float exact_logit(const double* xd, const at::Half* w, int64_t H) {
-  __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
-  int64_t i = 0;
-  for (; i + 16 <= H; i += 16) {
-    const __m512 wf = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
-    acc[0] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(wf)), _mm512_loadu_pd(xd + i), acc[0]);
-    acc[1] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wf), 1))),
-                             _mm512_loadu_pd(xd + i + 8), acc[1]);
-  }
-  double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1]));
-  for (; i < H; ++i) sum += double(float(w[i])) * xd[i];
-  return float(sum);
 }
 
 // ScreenedOutputLayer's screening of one row's approximate logits lr [V] (float32, in place), its input xr [H]

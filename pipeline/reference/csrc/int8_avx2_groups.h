@@ -2,6 +2,7 @@
 // int8_screen.cpp (the output layer's screen on a 16-bit grid): 16-bit input values [M, Kp] times int8 weights packed
 // in 8-channel groups [K4, 8, 4] (int8_grid_gemm.pack), exact int32 sums, then float(sum - offset) * multiplier per
 // channel. vpmaddwd's pair sums land in 32 bits exactly; the caller keeps each output's sum of |x| * 127 below 2^31.
+// Compiled with AVX512-VNNI and VL (int8_screen's AVX-512 build), vpdpwssd adds the same pair sums in one instruction.
 // Included after <ATen/ATen.h> and <immintrin.h>.
 #include <algorithm>
 
@@ -34,8 +35,13 @@ void group_rows(const int16_t* xs, int64_t Kp, const int8_t* w, const int32_t* o
     for (int r = 0; r < R; ++r) {
       // the row's 4 grid values of this quad, repeated for the 4 channels of a half
       const __m256i a = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(xs + r * Kp + k4 * 4));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      acc[r][0] = _mm256_dpwssd_epi32(acc[r][0], w0, a);  // vpmaddwd + vpaddd in one: the same exact sums
+      acc[r][1] = _mm256_dpwssd_epi32(acc[r][1], w1, a);
+#else
       acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, a));
       acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, a));
+#endif
       // From 4 rows, gcc 12 loaded every row's broadcast first and so kept 9 of 6 rows' 12 accumulators on the
       // stack (a store and a load per madd); this empty asm pins row r's adds before row r + 1's load, so the
       // loop holds all of them in registers: 6 rows' calls 1.3-1.5x faster on Zen3 (docs/benchmarks.md). Below

@@ -1,9 +1,11 @@
 // The output layer for rows that only need their argmax (Int8Screen, pipeline/reference/int8_screen.py), on AVX2 +
-// FMA + F16C: approximate logits from int8 weights, and the exact logit (the fp16 kernel's, bit for bit) of every
-// token that could be the row's top.
+// FMA + F16C: approximate logits from int8 weights, and the exact logit of every token that could be the row's top,
+// bit for bit the exact layer's: the fp16 kernel's (Float16Weights) or, in the AVX-512 build, ScreenedOutputLayer's.
 //
-// Per row x [K] (float32) and token c, with the fp16 weights w_c the exact layer (fp16_weight_gemm.cpp) reads:
-//   exact_c  = the fp16 kernel's float32 fma chain x[0] w_c[0], ..., x[K-1] w_c[K-1] in order, from 0
+// Per row x [K] (float32) and token c, with the fp16 weights w_c the exact layer reads:
+//   exact_c  = the fp16 kernel's float32 fma chain x[0] w_c[0], ..., x[K-1] w_c[K-1] in order, from 0; or
+//              fp32(x . w_c summed in float64), ScreenedOutputLayer's (exact_logit.h), within 2^-24 |x . w_c| + tiny
+//              of the true sum: below the chain's bound, so the bound below covers both
 //   approx_c = (x^ . w^_c)(1 + d), |d| <= 3 * 2^-24   x^ = n r: x on the row's symmetric 16-bit grid (n int16,
 //                                                     r = max|x| / levels); w^_c = q_c * s_c: int8 q_c, channel
 //                                                     scale s_c; the sum exact in int32, three float roundings
@@ -24,16 +26,19 @@
 #include <vector>
 
 #include "int8_avx2_groups.h"
+#ifdef __AVX512F__
+#include "exact_logit.h"
+#endif
 
 namespace {
 
 constexpr int64_t FP16_GROUP = 8;  // fp16_weight_gemm.pack: [ceil(N / 8), K, 8]
 
-// y[c] = the exact logit of each channel c of cs: the fp16 kernel's float32 fma chain over its packed weights (stride
-// 8), the same bits, 8 channels at a time (lane j runs channel j's chain), each weight gathered as the aligned 32-bit
+// y[c] = the fp16 kernel's logit of each channel c of cs: its float32 fma chain over its packed weights (stride 8), the
+// same bits, 8 channels at a time (lane j runs channel j's chain), each weight gathered as the aligned 32-bit
 // word that holds it. One chain alone waits on its own fma (about 0.7 us for 576 inputs), and a row of flat logits
 // can have hundreds of candidates.
-void exact_logits(const float* x, int64_t K, const uint16_t* w16, const std::vector<int32_t>& cs, float* y) {
+void chain_logits(const float* x, int64_t K, const uint16_t* w16, const std::vector<int32_t>& cs, float* y) {
   const int32_t* words = reinterpret_cast<const int32_t*>(w16);
   const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
                                          0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -77,13 +82,28 @@ float round_row(const float* x, int64_t K, int64_t Kp, int64_t levels, int16_t* 
   return r;
 }
 
+// The exact layer's logits y[c] of row x [K] for the tokens cs: the fp16 kernel's chains over its packed weights
+// (packed16, weight16 null) or ScreenedOutputLayer's float64 sums over weight16 [N, K] (AVX-512 builds).
+struct ExactLayer {
+  const uint16_t* packed16;
+  const at::Half* weight16;
+
+  void operator()(const float* x, int64_t K, const std::vector<int32_t>& cs, float* y) const {
+    if (packed16 != nullptr) return chain_logits(x, K, packed16, cs, y);
+#ifdef __AVX512F__
+    std::vector<double> xd(x, x + K);
+    for (const int32_t c : cs) y[c] = exact_logit(xd.data(), weight16 + c * K, K);
+#endif
+  }
+};
+
 // One row's screen over its approximate sums y [N] (float(sum) * s_c, scaled here by r): the candidates' exact logits.
 void screen_row(const float* x, int64_t K, float* y, int64_t N, float r, double norm, double error, const float* a,
-                const float* b, const uint16_t* w16) {
+                const float* b, const ExactLayer& exact) {
   if (!std::isfinite(norm)) {  // an inf or NaN input: the whole row exactly (its NaNs where the exact layer has them)
     std::vector<int32_t> every(N);
     for (int64_t c = 0; c < N; ++c) every[c] = int32_t(c);
-    exact_logits(x, K, w16, every, y);
+    exact(x, K, every, y);
     return;
   }
   const __m256 vr = _mm256_set1_ps(r), vn = _mm256_set1_ps(float(norm)), ve = _mm256_set1_ps(float(error));
@@ -121,26 +141,37 @@ void screen_row(const float* x, int64_t K, float* y, int64_t N, float r, double 
   }
   for (int64_t c = whole; c < N; ++c)
     if (y[c] + scalar_bound(y[c], c) >= low) candidates.push_back(int32_t(c));
-  exact_logits(x, K, w16, candidates, y);
+  exact(x, K, candidates, y);
 }
 
 }  // namespace
 
 // x float32 [M, K] -> logits float32 [M, N] whose argmax is the exact layer's (above). packed: int8 q [ceil(N / 8),
 // Kp / 4, 8, 4] (int8_grid_gemm.pack); scales, a, b: float32 [N] (s_c, a_c, b_c above); zeros: int32 [N];
-// packed16: the fp16 weights as fp16_weight_gemm.pack packs them; levels: the grid's steps a side, with
-// K * levels * 127 < 2^31 (the int32 sums).
+// exact: the exact layer's fp16 weights, as fp16_weight_gemm.pack packs them (int16 [ceil(N / 8), K, 8]: the fp16
+// kernel's chains) or as ScreenedOutputLayer keeps them (float16 [N, K]: its float64 sums; AVX-512 builds only);
+// levels: the grid's steps a side, with K * levels * 127 < 2^31 (the int32 sums).
 at::Tensor int8_screen(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor zeros, at::Tensor a, at::Tensor b,
-                       at::Tensor packed16, int64_t levels) {
+                       at::Tensor exact, int64_t levels) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "int8_screen: x must be float32 [rows, in]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = scales.size(0), Kp = packed.size(1) * 4;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4
               && Kp >= K && packed.size(0) * GROUP >= N, "int8_screen: packed must come from int8_grid_gemm.pack for ",
               K, " inputs and ", N, " outputs");
-  TORCH_CHECK(packed16.scalar_type() == at::kShort && packed16.dim() == 3 && packed16.size(1) == K
-              && packed16.size(2) == FP16_GROUP && packed16.size(0) * FP16_GROUP >= N,
-              "int8_screen: packed16 must come from fp16_weight_gemm.pack for the same weight");
+  const bool chains = exact.scalar_type() == at::kShort;
+  if (chains) {
+    TORCH_CHECK(exact.dim() == 3 && exact.size(1) == K && exact.size(2) == FP16_GROUP
+                && exact.size(0) * FP16_GROUP >= N,
+                "int8_screen: exact int16 weights must come from fp16_weight_gemm.pack for the same weight");
+  } else {
+#ifndef __AVX512F__
+    TORCH_CHECK(false, "int8_screen: this build (AVX2) takes exact weights from fp16_weight_gemm.pack only");
+#endif
+    TORCH_CHECK(exact.scalar_type() == at::kHalf && exact.dim() == 2 && exact.is_contiguous() && exact.size(0) == N
+                && exact.size(1) == K, "int8_screen: exact must be fp16_weight_gemm.pack's int16 weights or "
+                "contiguous float16 [", N, ", ", K, "]");
+  }
   for (const at::Tensor& t : {scales, a, b})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N, "int8_screen: scales, a and b "
                 "must be float32 [", N, "]");
@@ -159,16 +190,17 @@ at::Tensor int8_screen(at::Tensor x, at::Tensor packed, at::Tensor scales, at::T
     gemm_groups(qs.data_ptr<int16_t>(), M, Kp, packed.data_ptr<int8_t>(), zeros.data_ptr<int32_t>(),
                 scales.data_ptr<float>(), out.data_ptr<float>(), N, g0, g1);
   });
-  const uint16_t* w16 = reinterpret_cast<const uint16_t*>(packed16.data_ptr<int16_t>());
+  const ExactLayer layer{chains ? reinterpret_cast<const uint16_t*>(exact.data_ptr<int16_t>()) : nullptr,
+                         chains ? nullptr : exact.data_ptr<at::Half>()};
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       screen_row(xp + m * K, K, out.data_ptr<float>() + m * N, N, r[m], norm[m], error[m], a.data_ptr<float>(),
-                 b.data_ptr<float>(), w16);
+                 b.data_ptr<float>(), layer);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
-  m.def("int8_screen(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor a, Tensor b, Tensor packed16, "
+  m.def("int8_screen(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor a, Tensor b, Tensor exact, "
         "int levels) -> Tensor", &int8_screen);
 }
