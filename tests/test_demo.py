@@ -21,9 +21,11 @@ def test_demo_times_alternating_pairs_and_stops_the_server(tmp_path, exact_pair)
         assert result.identical  # greedy: speculation changes the speed, never the text
         for plain, speculative in result.pairs:
             assert plain.total_draft_tokens == 0
-            # the exact pair's draft always agrees with the target
+            # the exact pair's draft is the target, but the draft engine runs its output layer on 16-bit weights
+            # (linear.draft_output_layer), whose near ties on this random model can fall the other way: 71 of 74
+            # accepted where that layer is bf16 (AMD Zen4), every one where it is fp16 (Zen3)
             assert speculative.total_draft_tokens > 0
-            assert speculative.total_accepted_draft_tokens == speculative.total_draft_tokens
+            assert speculative.total_accepted_draft_tokens >= 0.9 * speculative.total_draft_tokens
         assert sorted(result.ratios)[0] <= result.speedup <= sorted(result.ratios)[-1]
     summary = lines[-1].strip()
     assert summary.startswith("summary: acceptance") and "identical text: yes" in summary
