@@ -446,11 +446,14 @@ def argmax_output_layer(exact, dtype: torch.dtype = torch.float32) -> int8_scree
     half the bytes) or a ScreenedOutputLayer (AVX-512: the same argmax for half its bf16 GEMM's bytes, up to
     SCREEN_OVER_BF16_ROWS rows a call), else None (those rows take `exact` too). A float16 model rounds its logits to
     fp16, whose ties could fall to a token the screen left approximate."""
-    if dtype != torch.float32 or not int8_screen.kernel():
+    if dtype != torch.float32:
         return None
-    if isinstance(exact, Float16Weights) and exact.kernel is not None and exact.bias is None:
+    if isinstance(exact, Float16Weights) and exact.kernel is not None and exact.bias is None and int8_screen.kernel():
         return int8_screen.Int8Screen(exact.kernel)
-    if isinstance(exact, ScreenedOutputLayer) and int8_screen.screens_bf16_layer():
+    # the screened layer's exact logits are csrc/exact_logit.h's where its screening runs in C++ (the bf16 kernel's
+    # build); torch's float64 sums, its fallback, add in another order
+    if (isinstance(exact, ScreenedOutputLayer) and bf16_weight_gemm.kernel() is not None and int8_screen.kernel()
+            and int8_screen.screens_bf16_layer()):
         return int8_screen.Int8Screen(exact.weight16, max_rows=SCREEN_OVER_BF16_ROWS)
     return None
 
