@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from pipeline.reference import int8_screen
-from pipeline.reference.linear import (SCREEN_OVER_BF16_ROWS, Float16Weights, ScreenedOutputLayer,
-                                       argmax_output_layer, screen_gemm)
+from pipeline.reference.linear import Float16Weights, ScreenedOutputLayer, argmax_output_layer, screen_gemm
 
 # the exact layers the screen serves: Float16Weights wherever AVX2 runs, ScreenedOutputLayer with AVX-512 VNNI and a
 # bf16 GEMM

@@ -7,8 +7,8 @@ the row's argmax is the exact layer's, for half the bytes read.
 Only rows whose logits serve nothing but their argmax may take it (greedy requests without penalties, bans or returned
 logits: `SequenceInput.argmax_only`); every other row keeps the exact layer, so sampled tokens, log-probs and returned
 logits are unchanged. On SmolLM2's [49152, 576] output layer (2 threads, from memory): on AMD Zen3, 1.3 against 2.0 ms
-(Float16Weights) at one row, 2.8 against 3.8 ms at six; on AMD Zen4 (the AVX-512 build), 0.7-0.8 against 1.1-1.5 ms
-(ScreenedOutputLayer) at one row, 1.1 against 1.2-1.5 at six, 1.8 against 1.5-1.8 at eight (docs/benchmarks.md).
+(Float16Weights) at one row, 2.8 against 3.8 ms at six; on AMD Zen4 (the AVX-512 build), 0.8-0.9 against 1.3-1.7 ms
+(ScreenedOutputLayer) at one row, 1.1 against 1.4-1.8 at six, 1.4-1.5 against 1.7-2.0 at eight (docs/benchmarks.md).
 Where the kernel cannot run, or REFERENCE_INT8_SCREEN=0, `kernel()` is None and every row keeps the exact layer.
 """
 
@@ -22,8 +22,9 @@ from pipeline.reference import cpp_ops, fp16_weight_gemm, int8_grid_gemm
 
 ENV = "REFERENCE_INT8_SCREEN"  # "0": argmax-only rows take the exact output layer too
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
-# the same source with AVX-512: its exact logits can also be ScreenedOutputLayer's (csrc/exact_logit.h), and VNNI's
-# vpdpwssd does vpmaddwd's and vpaddd's work in one instruction (6 rows 1.08 against 1.29 ms on Zen4, the same sums)
+# the same source with AVX-512: its exact logits can also be ScreenedOutputLayer's (csrc/exact_logit.h), VNNI's
+# vpdpwssd does vpmaddwd's and vpaddd's work in one instruction (6 rows 1.08 against 1.29 ms on Zen4, the same sums),
+# and its 32 registers hold blocks of 12 rows (8 rows 1.43-1.62 against 1.80-2.21 ms in blocks of 6)
 AVX512 = cpp_ops.Build("int8_screen_avx512", "int8_screen", (*AVX2_FLAGS, "-mavx512f", "-mavx512vl", "-mavx512vnni"),
                        torch.cpu._is_vnni_supported)
 AVX2 = cpp_ops.Build("int8_screen", "int8_screen", AVX2_FLAGS, torch.cpu._is_avx2_supported)

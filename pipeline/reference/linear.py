@@ -276,10 +276,11 @@ SCREEN_ROWS = 32
 # The int8 GEMMs gained nothing from a second thread (120 calls of 0.05-0.1 ms each: the wake-ups eat it).
 OUTPUT_LAYER_THREADS = 2
 # Argmax-only calls of up to this many rows run on the int8 screen rather than ScreenedOutputLayer (the same argmax):
-# SmolLM2's output layer from memory on AMD Zen4, 2 threads, best of 40: 0.7-0.8 against 1.1-1.5 ms at one row, 1.1
-# against 1.2-1.5 at six, 1.8 against 1.5-1.8 at eight (the screen's GEMM takes rows 6 at a time and grows with them,
-# the bf16 kernel's hardly)
-SCREEN_OVER_BF16_ROWS = 6
+# SmolLM2's output layer from memory on AMD Zen4, 2 threads, best of 40, three runs: 0.78-0.86 against 1.31-1.74 ms
+# at one row, 1.09-1.15 against 1.35-1.79 at six, 1.43-1.46 against 1.74-2.01 at eight, 2.17-2.20 against 2.26-2.42
+# at twelve, 2.86-3.06 against 2.86-2.93 at sixteen (the screen's GEMM grows with the rows, 12 at a time in its
+# AVX-512 build; the bf16 kernel's hardly)
+SCREEN_OVER_BF16_ROWS = 12
 
 
 class ScreenedOutputLayer:
