@@ -131,7 +131,7 @@ def test_the_served_engine_replay_counts_what_the_engine_did(tiny_spec_engines):
                     counts.add(out.stats)
         items.append({"prompt": prompt, "answer": answer, "max_tokens": 40, "end_id": end_id,
                       "finish_reason": finish_reason})
-    replayed = replay_served(items, lookup_proposer(SERVED_PARAMETERS, max_draft_len), 4)
+    replayed = replay_served(items, lookup_proposer(SERVED_PARAMETERS, max_draft_len))
     assert (replayed.forwards, replayed.drafted, replayed.accepted) == (
         counts.target_forwards, counts.draft_tokens, counts.accepted_tokens)
     reasons = [item["finish_reason"] for item in items]

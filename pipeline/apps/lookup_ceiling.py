@@ -35,7 +35,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.reference.proposers import ProposalInput, Proposer
+from pipeline.reference.policy import PolicyProposer
+from pipeline.reference.proposers import ProposalInput
 from pipeline.sequences import common_prefix_len, ngram_lookup
 from pipeline.serving.bls import RoundPolicy
 
@@ -117,16 +118,17 @@ def replay(prompt: list[int], answer: list[int], policy: LookupPolicy) -> Replay
     return out
 
 
-def replay_served(items: list[dict], proposer: Proposer, k: int) -> Replay:
+def replay_served(items: list[dict], proposer: PolicyProposer) -> Replay:
     """Count what the served engine's prompt lookup does over greedy answers (`greedy_answers`' items, in order):
-    `proposer` (the repository's, `lookup_proposer`) is asked as LLMEngine asks it with one request running
-    (pipeline.reference.engine: the gate `skips_step`, then `propose` with the committed tokens and K, then
-    `update` after the verify of a non-empty draft, `release` when the request ends; one request after another, so
+    `proposer` (the repository's, `lookup_proposer`) is asked as LLMEngine asks it with one request running, at the
+    K the served requests carry (the policy's num_draft_tokens: the spec's, as the BLS sends it, within the engine's
+    max_draft_len) (pipeline.reference.engine: the gate `skips_step`, then `propose` with the committed tokens and K,
+    then `update` after the verify of a non-empty draft, `release` when the request ends; one request after another, so
     the evidence carries over as it does in a server), and the answer says what the target accepts. Every engine
     step is one forward, the one that completes the prompt included (it verifies a draft of the prompt alone), and
     the step that produced the end token too (an answer that ended on its end_id), so plain decoding takes one forward
     per token counted."""
-    out = Replay()
+    out, k = Replay(), proposer.config.num_draft_tokens
     for number, item in enumerate(items):
         request_id, prompt = f"replay-{number}", item["prompt"]
         target = item["answer"] + ([item["end_id"]] if item["finish_reason"] == "end_id" else [])
@@ -223,7 +225,7 @@ def replay_repository(parameters: dict[str, str], engine_dir: Path,
     k = lookup_proposer(parameters, max_draft_len).config.num_draft_tokens
     name = (f"the served engine: K<={k}, the repository's policy (costs, switch-off, classes, row cut), "
             f"cut below {float(parameters.get('ngram_min_token_prob', 0)):g}")
-    return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len), k)
+    return {name: {s: replay_served(items, lookup_proposer(parameters, max_draft_len))
                    for s, items in answers.items()}}
 
 

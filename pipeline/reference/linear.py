@@ -453,7 +453,7 @@ def argmax_output_layer(exact, dtype: torch.dtype = torch.float32) -> int8_scree
         return int8_screen.Int8Screen(exact.kernel)
     # the screened layer's exact logits are csrc/exact_logit.h's where its screening runs in C++ (the bf16 kernel's
     # build); torch's float64 sums, its fallback, add in another order
-    if (isinstance(exact, ScreenedOutputLayer) and bf16_weight_gemm.kernel() is not None and int8_screen.kernel()
+    if (isinstance(exact, ScreenedOutputLayer) and bf16_weight_gemm.kernel() is not None
             and int8_screen.screens_bf16_layer()):
         return int8_screen.Int8Screen(exact.weight16, max_rows=SCREEN_OVER_BF16_ROWS)
     return None
