@@ -5,7 +5,8 @@ import random
 import pytest
 
 from pipeline.spec_stats import SpecStats, aggregate
-from pipeline.reference.policy import POSITION_EVIDENCE, PolicyConfig, PolicyProposer
+from pipeline.reference.policy import (PAST_EVIDENCE_DECAY, PAST_PROPOSED, POSITION_EVIDENCE, FadingCounts, PolicyConfig,
+                                       PolicyProposer)
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices
 from pipeline.sequences import MATCH_LENGTH_CAP
@@ -202,6 +203,21 @@ def test_policy_slow_start_drafts_only_as_far_as_the_probes_acceptance_pays():
     assert run_chains(PolicyProposer(FixedProposer(), config), accept=4, steps=1) == [4]
 
 
+def test_fading_counts_fade_as_counts_multiplied_every_step_across_rescales():
+    """FadingCounts reads what multiplying every count by the decay every step gives, also after 30000 steps, past
+    the factor's rescale (0.99^22900 is below 1e-100), with counts added between fades."""
+    counts, eager = FadingCounts(2), [0.0, 0.0]
+    for step in range(30_000):
+        if step % 7 == 0:
+            counts.add(step % 2, 3.0)
+            eager[step % 2] += 3.0
+        counts.fade()
+        eager = [x * PAST_EVIDENCE_DECAY for x in eager]
+        if step % 5_000 == 0 or step > 29_990:
+            assert list(counts) == pytest.approx(eager, rel=1e-9)
+    assert counts.factor > 1e-100 and eager[0] > 1  # rescaled, and the counts still hold recent evidence
+
+
 def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts():
     """The engine asks `skips_step` before it builds a step's proposal inputs: True where nobody drafts (the step done
     there), else False and the next propose() finishes the step. A draft token costs 0.6 of a step: two probes
@@ -221,7 +237,8 @@ def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts
     asked = [step(gated, True) for _ in range(6)]
     assert asked == [1, 1, None, None, None, None]
     assert [step(plain, False) for _ in range(6)] == [1, 1, 0, 0, 0, 0]
-    assert gated.position_proposed == plain.position_proposed and gated.position_proposed[0] < 2  # faded 4 times
+    assert list(gated.position_proposed) == list(plain.position_proposed)
+    assert gated.position_proposed[0] < 2  # faded 4 times
     assert gated.requests.keys() == plain.requests.keys() == {"r0"}
 
 
@@ -533,7 +550,7 @@ def test_policy_keeps_a_losing_batch_off_while_requests_come_and_go():
     steps = 1
     while step(["e", "f", "g", "h"]) == [0] * 4:  # nothing new is proposed: only the fading changes the pool
         steps += 1
-    assert steps > 50 and policy.past_proposed < config.window * config.num_draft_tokens  # tried again
+    assert steps > 50 and policy.past[PAST_PROPOSED] < config.window * config.num_draft_tokens  # tried again
 
 
 def test_policy_batch_gate_from_the_measured_cost():
