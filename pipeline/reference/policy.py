@@ -211,9 +211,10 @@ def _match_class(draft: Draft) -> int | None:
 class FadingCounts:
     """Counts that fade together by PAST_EVIDENCE_DECAY at every `fade()` (the policy's pooled evidence, once a step),
     each fade one multiplication: a count is kept divided by `factor`, what the counts have faded by since they were
-    last rescaled, and read multiplied by it. Fading every count every step (seven lists and numbers) made a step
-    that nobody drafts in, which only asks the policy's gate, about 3 us dearer on the trained pair's 0.43 ms steps,
-    and the lists it allocated each step brought Python's garbage collector round sooner (docs/benchmarks.md)."""
+    last rescaled, and read multiplied by it. A step that nobody drafts in only asks the policy's gate, yet with the
+    weak trained-pair draft switched off such steps cost 11-15 us more than plain decoding's 0.43 ms ones (engines
+    stepped in turns); fading every count there (four new lists and three products a step) was about 3 us of that
+    (docs/benchmarks.md)."""
 
     def __init__(self, size: int):
         self.factor = 1.0
