@@ -375,15 +375,18 @@ def test_cancelled_stream_stops_its_work(triton_server):
     max_tokens = 200
     client.async_stream_infer("tensorrt_llm_bls", grpc_inputs(text_request(prompts(5)[4], max_tokens, stream=True,
                                                                             num_draft_tokens=0)), request_id="c")
+    log = triton_server.server.log_file
+    marker = "tensorrt_llm_bls: request cancelled by its client, stopped after "
+    earlier = log.read_text().count(marker)  # the session's server: earlier tests cancelled streams too
     first = got.get(timeout=60)
     assert not isinstance(first, InferenceServerException), first
     client.stop_stream(cancel_requests=True)
-    log = triton_server.server.log_file
     deadline = time.monotonic() + 60
-    marker = "tensorrt_llm_bls: request cancelled by its client, stopped after "
-    while marker not in log.read_text() and time.monotonic() < deadline:
+    while log.read_text().count(marker) == earlier and time.monotonic() < deadline:
         time.sleep(0.2)
-    line = next(l for l in log.read_text().splitlines() if marker in l)
+    lines = [l for l in log.read_text().splitlines() if marker in l]
+    assert len(lines) > earlier, f"the BLS logged no cancellation within 60 s (server log: {log})"
+    line = lines[earlier]  # this test's
     stopped_at = int(line.split(marker)[1].split(" of ")[0])
     assert stopped_at < max_tokens
     (results,) = stream_requests(triton_server.grpc_url, "ensemble", [text_request(prompts(1)[0], 4)])
