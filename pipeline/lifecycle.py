@@ -120,8 +120,9 @@ def check(ep: Endpoints, live_only: bool = False) -> list[str]:
         for pid in pids:
             silent = heartbeat.silent_for(ep.drain_file, model, pid)
             if silent is not None and silent > ep.stale_s and model not in tolerated:
-                reasons.append(f"the python stub of {model} (pid {pid}) has run no Python for {silent:.0f} s: frozen "
-                               f"(`kill -USR1 {pid}` writes its threads' stacks to the server log)")
+                reasons.append(f"the python stub of {model} (pid {pid}) has not beaten for {silent:.0f} s: frozen, or "
+                               f"a response send stuck (`kill -USR1 {pid}` writes its threads' stacks to the server "
+                               "log)")
     status, text = http_get(ep.metrics_url)
     for model in sorted(models_down(text) - tolerated):
         reasons.append(f"{BLS_MODEL} reports {model} down")

@@ -172,8 +172,8 @@ def assert_a_frozen_stub_is_not_live(ep: Endpoints) -> None:
         time.sleep(FROZEN_S + 2 * heartbeat.BEAT_S)
         reported = [r for r in check(ep, live_only=True) if "tensorrt_llm_bls" in r]
         assert len(reported) == 1 and re.fullmatch(
-            rf"the python stub of tensorrt_llm_bls \(pid {pid}\) has run no Python for \d+ s: frozen "
-            rf"\(`kill -USR1 {pid}` writes its threads' stacks to the server log\)", reported[0]), reported
+            rf"the python stub of tensorrt_llm_bls \(pid {pid}\) has not beaten for \d+ s: frozen, or a response send "
+            rf"stuck \(`kill -USR1 {pid}` writes its threads' stacks to the server log\)", reported[0]), reported
     finally:
         os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + 10

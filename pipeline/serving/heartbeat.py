@@ -11,6 +11,12 @@ files: a stub silent for longer than STALE_S seconds is not live (Kubernetes the
 The files live in a folder beside the drain state file (pipeline.serving.drain, whose path every process of one
 server knows), one per stub, named <model>.<pid>. A file older than its stub's process is a previous process's
 whose pid was reused (a restarted container keeps /tmp's volume): it does not count.
+
+A stub can also stop answering while its interpreter runs: a response send (`ResponseSender::Send`) that never
+returns, waiting in a condition variable for the Triton process to take the response, with the GIL released. The
+BLS sends from its one event-loop thread, so one such send stops the whole model (docs/reliability.md, "Seen again, in
+the BLS"). So every send goes through `PENDING_SENDS.track()`, and the heartbeat stops beating while a send has waited
+longer than SEND_STALL_S: the stub then reads as not live, as a frozen one does.
 """
 
 from __future__ import annotations
@@ -18,12 +24,46 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.serving.drain import DRAIN_ENV
 
 BEAT_S = 1.0
 STALE_S = 30.0  # a long prefill holds the GIL for seconds at most; a frozen stub stays silent for good
+# A send waits for the Triton process to take the response into its queue (not for the client), milliseconds
+# normally; one that has waited this long will not return
+SEND_STALL_S = 30.0
+
+
+class PendingSends:
+    """The response sends in flight in this process, with when each began (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._began: dict[int, float] = {}  # a send's key -> time.monotonic() when it began
+        self._next_key = 0
+
+    @contextmanager
+    def track(self):
+        """Count the block's send as in flight until it returns or raises."""
+        with self._lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._began[key] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._began[key]
+
+    def longest_wait_s(self) -> float:
+        """Seconds the oldest send in flight has waited (0 with none)."""
+        with self._lock:
+            oldest = min(self._began.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+
+PENDING_SENDS = PendingSends()  # this process's sends (pipeline.serving.triton_io sends through it)
 
 
 def beats_dir(drain_file: str | Path) -> Path:
@@ -34,7 +74,8 @@ def beats_dir(drain_file: str | Path) -> Path:
 
 def start(model: str, drain_file: str | Path | None = None, interval_s: float = BEAT_S) -> threading.Thread | None:
     """Start this process's heartbeat as `model` (drain_file: default $SPECDEPLOY_DRAIN_FILE); None where neither is
-    set (a model loaded outside `pipeline serve` and the Deployment, as in a unit test)."""
+    set (a model loaded outside `pipeline serve` and the Deployment, as in a unit test). It beats every interval_s
+    while no send of `PENDING_SENDS` has waited SEND_STALL_S."""
     drain_file = drain_file or os.environ.get(DRAIN_ENV)
     if not drain_file:
         return None
@@ -45,7 +86,8 @@ def start(model: str, drain_file: str | Path | None = None, interval_s: float = 
     def run() -> None:
         while True:
             try:
-                beat.touch()
+                if PENDING_SENDS.longest_wait_s() < SEND_STALL_S:  # else silent: a stuck send
+                    beat.touch()
             except OSError:  # the folder was removed: the check then sees no heartbeat, never a stale one
                 pass
             time.sleep(interval_s)

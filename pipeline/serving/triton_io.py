@@ -10,6 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.serving.errors import RequestError, Stopped, Unavailable
+from pipeline.serving.heartbeat import PENDING_SENDS
 
 
 def enable_fault_dumps() -> None:
@@ -52,7 +53,18 @@ def send(sender, arrays: dict[str, np.ndarray], flags: int = 0) -> None:
     returns: Triton 2.51's ResponseSender::Send drops the outputs the caller did not request while it does not
     hold the GIL, and a tensor's last reference must not go there (pipeline.serving.stub_keeper)."""
     outputs = tensors(arrays)
-    sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+    send_response(sender, pb_utils.InferenceResponse(output_tensors=outputs), flags)
+
+
+def send_response(sender, response=None, flags: int = 0) -> None:
+    """sender.send(response, flags) (response None: the flags alone), counted in flight while it waits
+    (heartbeat.PENDING_SENDS: a send that never returns makes the stub not live). Every response of the text models
+    goes out through here."""
+    with PENDING_SENDS.track():
+        if response is None:
+            sender.send(flags=flags)
+        else:
+            sender.send(response, flags=flags)
 
 
 def error_response(exc: BaseException):
@@ -72,6 +84,6 @@ def error_response(exc: BaseException):
 def send_final_error(sender, exc: BaseException) -> None:
     """Close a decoupled request with an error response, so the client never waits forever."""
     try:
-        sender.send(error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        send_response(sender, error_response(exc), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception as send_exc:  # the request is already closed (cancelled, or its final response went out)
         pb_utils.Logger.log_warn(f"could not send error response ({exc}): {send_exc}")

@@ -90,7 +90,8 @@ class TritonPythonModel:
             self.stopped.update(engine_ids)
         for engine_id in engine_ids:  # an unknown id is no error: the request may have finished already
             self.runner.cancel(engine_id)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        triton_io.send_response(sender, pb_utils.InferenceResponse(output_tensors=[]),
+                                pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _stopped_by_request(self, request_id: str) -> bool:
         with self.running_lock:
@@ -129,7 +130,7 @@ class TritonPythonModel:
                 if arrays is not None:
                     triton_io.send(sender, arrays, flags)
                 elif out.finished:
-                    sender.send(flags=flags)
+                    triton_io.send_response(sender, flags=flags)
                 if out.finished:
                     return
         except Exception as exc:
