@@ -5,8 +5,8 @@ import random
 import pytest
 
 from pipeline.spec_stats import SpecStats, aggregate
-from pipeline.reference.policy import (PAST_EVIDENCE_DECAY, PAST_PROPOSED, POSITION_EVIDENCE, FadingCounts, PolicyConfig,
-                                       PolicyProposer)
+from pipeline.reference.policy import (PAST_EVIDENCE_DECAY, PAST_PROPOSED, POSITION_EVIDENCE, FadingCounts,
+                                       PolicyConfig, PolicyProposer)
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices
 from pipeline.sequences import MATCH_LENGTH_CAP
