@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline.spec_stats import SpecStats, aggregate
-from pipeline.reference.policy import (PAST_EVIDENCE_DECAY, PAST_PROPOSED, POSITION_EVIDENCE, FadingCounts,
+from pipeline.reference.policy import (PAST_EVIDENCE_DECAY, PAST_PROPOSED, POSITION_EVIDENCE, Fading,
                                        PolicyConfig, PolicyProposer)
 from pipeline.reference.proposers import Draft, NgramProposer, ProposalInput
 from pipeline.reference.tree import node_depths, path_to, tree_from_choices
@@ -204,18 +204,22 @@ def test_policy_slow_start_drafts_only_as_far_as_the_probes_acceptance_pays():
 
 
 def test_fading_counts_fade_as_counts_multiplied_every_step_across_rescales():
-    """FadingCounts reads what multiplying every count by the decay every step gives, also after 30000 steps, past
-    the factor's rescale (0.99^22900 is below 1e-100), with counts added between fades."""
-    counts, eager = FadingCounts(2), [0.0, 0.0]
+    """Fading's counts read what multiplying every count by the decay every step gives, also after 30000 steps, past
+    the factor's rescale (0.99^22900 is below 1e-100), with counts added between fades, in every list it made."""
+    fading = Fading()
+    counts, other, eager = fading.counts(2), fading.counts(1), [0.0, 0.0]
     for step in range(30_000):
         if step % 7 == 0:
             counts.add(step % 2, 3.0)
             eager[step % 2] += 3.0
-        counts.fade()
+        if step == 0:
+            other.add(0, 5.0)
+        fading.fade()
         eager = [x * PAST_EVIDENCE_DECAY for x in eager]
         if step % 5_000 == 0 or step > 29_990:
             assert list(counts) == pytest.approx(eager, rel=1e-9)
-    assert counts.factor > 1e-100 and eager[0] > 1  # rescaled, and the counts still hold recent evidence
+            assert other[0] == pytest.approx(5.0 * PAST_EVIDENCE_DECAY ** (step + 1), rel=1e-9)
+    assert fading.factor > 1e-100 and eager[0] > 1  # rescaled, and the counts still hold recent evidence
 
 
 def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts():

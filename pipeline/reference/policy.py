@@ -103,7 +103,7 @@ POSITION_EVIDENCE = 16
 PAST_EVIDENCE_DECAY = 0.99
 # Classes of prompt lookup's match lengths: class c holds lengths 2^c .. 2^(c+1) - 1, the last one the cap
 MATCH_CLASSES = MATCH_LENGTH_CAP.bit_length()
-# FadingCounts keeps its counts divided by the fading since its last rescale; below this factor it rescales them
+# Fading keeps its counts divided by the fading since its last rescale; below this factor it rescales them
 RESCALE_BELOW = 1e-100
 PAST_ACCEPTED, PAST_PROPOSED, PAST_STEPS = range(3)  # FadingCounts indices of PolicyProposer.past
 
@@ -208,34 +208,49 @@ def _match_class(draft: Draft) -> int | None:
     return min(draft.match_length, MATCH_LENGTH_CAP).bit_length() - 1 if draft.match_length else None
 
 
-class FadingCounts:
-    """Counts that fade together by PAST_EVIDENCE_DECAY at every `fade()` (the policy's pooled evidence, once a step),
-    each fade one multiplication: a count is kept divided by `factor`, what the counts have faded by since they were
-    last rescaled, and read multiplied by it. A step that nobody drafts in only asks the policy's gate, yet with the
-    weak trained-pair draft switched off such steps cost 11-15 us more than plain decoding's 0.43 ms ones (engines
-    stepped in turns); fading every count there (four new lists and three products a step) was about 3 us of that
-    (docs/benchmarks.md)."""
+class Fading:
+    """The policy's pooled evidence, counts that all fade by PAST_EVIDENCE_DECAY at every `fade()` (once a step), each
+    fade one multiplication: every count (a `FadingCounts` made by `counts`) is kept divided by `factor`, what the
+    counts have faded by since they were last rescaled, and read multiplied by it. A step that nobody drafts in only
+    asks the policy's gate, yet with the weak trained-pair draft switched off such steps cost 11-15 us more than plain
+    decoding's 0.43 ms ones (engines stepped in turns); fading every count there (four new lists and three products a
+    step) was about 3 us of that (docs/benchmarks.md)."""
 
-    def __init__(self, size: int):
+    def __init__(self):
         self.factor = 1.0
-        self._kept = [0.0] * size
+        self._counts: list[FadingCounts] = []
+
+    def counts(self, size: int) -> "FadingCounts":
+        """`size` new counts, at 0, that fade with the others."""
+        counts = FadingCounts(self, size)
+        self._counts.append(counts)
+        return counts
 
     def fade(self) -> None:
         """One step's fading of every count."""
         self.factor *= PAST_EVIDENCE_DECAY
         if self.factor < RESCALE_BELOW:  # before the kept counts grow out of float range
-            self._kept = [x * self.factor for x in self._kept]
+            for counts in self._counts:
+                counts.kept = [x * self.factor for x in counts.kept]
             self.factor = 1.0
+
+
+class FadingCounts:
+    """A list of counts of a `Fading` (which keeps the factor they are read with)."""
+
+    def __init__(self, fading: Fading, size: int):
+        self.fading = fading
+        self.kept = [0.0] * size  # each count divided by fading.factor
 
     def add(self, i: int, amount: float) -> None:
         """Count `amount` more at index i."""
-        self._kept[i] += amount / self.factor
+        self.kept[i] += amount / self.fading.factor
 
     def __getitem__(self, i: int) -> float:
-        return self._kept[i] * self.factor
+        return self.kept[i] * self.fading.factor
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self.kept)
 
 
 @dataclass
@@ -264,14 +279,15 @@ class PolicyProposer:
         self.drafts_at_prefill = getattr(inner, "drafts_at_prefill", False)
         self.by_match_length = getattr(inner, "reports_match_length", False)  # long matches draft where the pool is off
         self.requests: dict[str, _RequestPolicy] = {}  # running requests (release() forgets them)
+        self.fading = Fading()  # the pooled evidence below fades with it
         # finished requests' evidence (`pays`): draft tokens accepted, proposed, and steps (the PAST_* indices)
-        self.past = FadingCounts(3)
+        self.past = self.fading.counts(3)
         # per draft position i: draft tokens proposed there, and accepted through there (the pool's)
-        self.position_proposed = FadingCounts(config.max_draft_tokens)
-        self.position_accepted = FadingCounts(config.max_draft_tokens)
+        self.position_proposed = self.fading.counts(config.max_draft_tokens)
+        self.position_accepted = self.fading.counts(config.max_draft_tokens)
         # per class of match length: first draft positions checked, and accepted (every request's)
-        self.match_proposed = FadingCounts(MATCH_CLASSES)
-        self.match_accepted = FadingCounts(MATCH_CLASSES)
+        self.match_proposed = self.fading.counts(MATCH_CLASSES)
+        self.match_accepted = self.fading.counts(MATCH_CLASSES)
         self._by_class = False  # this step: the pool is off, and each draft's match class decides (`_class_drafts`)
         self.evidence_version = 0  # counts changes of the running requests' evidence (update, release)
         self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
@@ -403,9 +419,7 @@ class PolicyProposer:
     def _begin_step(self, request_ids: list[str], num_generated: list[int]) -> int:
         """A step's bookkeeping: the evidence fades, the requests are followed (a request joins at its first step) and
         marked as having begun their answers or not; returns the step's limit (`step_limit`) at the running batch."""
-        for counts in (self.past, self.position_proposed, self.position_accepted, self.match_proposed,
-                       self.match_accepted):
-            counts.fade()
+        self.fading.fade()
         for request_id, generated in zip(request_ids, num_generated):
             self._state(request_id).answer_started = generated > 0
         batch_size = len(self.requests)
