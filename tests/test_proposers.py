@@ -1,5 +1,6 @@
 """Proposers without an engine: n-gram lookup, tree building, the policy wrapper, metrics."""
 
+import copy
 import random
 
 import pytest
@@ -244,6 +245,50 @@ def test_policy_gate_does_a_step_as_propose_would_and_says_whether_anyone_drafts
     assert list(gated.position_proposed) == list(plain.position_proposed)
     assert gated.position_proposed[0] < 2  # faded 4 times
     assert gated.requests.keys() == plain.requests.keys() == {"r0"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_policy_gate_skips_working_out_an_unchanged_switched_off_step_and_decides_as_it_would(seed):
+    """A step `skips_step` switched off where that holds until the running requests or their evidence change (the
+    batch gate, or a switch-off the finished requests' fading evidence does not decide) is not worked out again while
+    neither changes. Requests join, leave, are requeued and come back or are cancelled at random, drafts are accepted
+    at random; at every step the gate decides as a copy of the policy working the step out from scratch does, and the
+    evidence fades alike; some steps ask propose() alone."""
+    rng = random.Random(seed)
+    config = PolicyConfig(num_draft_tokens=4, min_acceptance_rate=0.1, window=4, max_batch_for_speculation=3,
+                          draft_token_costs=((1, 0.3), (4, 0.6)), one_token_costs=((1, 0.45), (4, 0.8)))
+    policy = PolicyProposer(FixedProposer(), config)
+    running, preempted, next_id, skipped, worked_out = [], [], 0, 0, 0
+    for _ in range(600):
+        if rng.random() < 0.05 and running:
+            policy.release(running.pop(rng.randrange(len(running))))
+        if rng.random() < 0.03 and running:  # requeued: the policy still follows it
+            preempted.append(running.pop(rng.randrange(len(running))))
+        if rng.random() < 0.03 and preempted:  # cancelled while requeued, or back
+            request_id = preempted.pop(0)
+            policy.release(request_id) if rng.random() < 0.5 else running.append(request_id)
+        if rng.random() < 0.06 and len(running) < 5:
+            running.append(f"r{next_id}")
+            next_id += 1
+        if not running:
+            continue
+        asks_gate = rng.random() < 0.8  # else propose() alone (it begins the step itself)
+        if asks_gate:
+            fresh = copy.deepcopy(policy)
+            fresh._off_requests = None  # the same policy with nothing to skip: it works the step out
+            expected = fresh.skips_step(list(running), [1] * len(running))
+            memoized = policy._off_requests == running and policy._off_version == policy.evidence_version
+            assert policy.skips_step(list(running), [1] * len(running)) == expected
+            assert policy.fading.factor == pytest.approx(fresh.fading.factor, rel=1e-12)
+            skipped += memoized
+            worked_out += not memoized
+        if not asks_gate or not expected:
+            inputs = [ProposalInput(r, [1, 2, 3], 4, max_new_tokens=128, num_generated=1) for r in running]
+            for inp, draft in zip(inputs, policy.propose(inputs)):
+                if draft.token_ids:
+                    accepted = rng.choice([0, 0, 0, len(draft.token_ids)]) if seed % 2 else 0
+                    policy.update(inp.request_id, accepted, len(draft.token_ids))
+    assert skipped > 100 and worked_out > 50  # both paths ran
 
 
 def test_policy_stops_a_hopeless_draft_before_its_window_is_full():

@@ -82,7 +82,9 @@ follows the target's hidden states (EAGLE buffers every step's features). A prop
 tokens (prompt lookup; a draft model, whose cache catches up at its next draft) is not asked in a step where
 nobody drafts: a switched-off step of the trained pair then costs the policy alone (it cost about 20 us more, 3%
 of that pair's step, building the proposer's inputs and its empty drafts); and the engine asks `skips_step` before it
-builds the step's inputs at all (TensorRT-LLM's Drafter gate): a switched-off step then costs the policy's bookkeeping.
+builds the step's inputs at all (TensorRT-LLM's Drafter gate): a switched-off step then costs the policy's bookkeeping,
+and where neither the running requests nor their evidence changed since a switch-off that holds until they do, only the
+fading (the weak trained-pair draft: 0.940x -> 0.958-0.962x of plain in the same interleaved runs, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -261,7 +263,9 @@ class _RequestPolicy:
     accepted: int = 0  # draft tokens accepted so far
     proposed: int = 0  # draft tokens proposed so far
     steps: int = 0  # steps it drafted in so far
-    answer_started: bool = False  # proposed for with generated tokens in its context (not its prompt's last step)
+    # proposed for with generated tokens in its context (not its prompt's last step), as of the last step the policy
+    # worked out (a step `skips_step` finds unchanged does not mark it: only a step that proposes reads it)
+    answer_started: bool = False
     chain: bool = True  # its last draft was a chain (a tree's nodes are not draft positions)
     chain_evidence: ChainEvidence = field(default_factory=ChainEvidence)  # its chain steps', for the early stop
     probe_for: int = 0  # its draft this step was cut by the slow start from this length (0: not cut)
@@ -292,6 +296,12 @@ class PolicyProposer:
         self.evidence_version = 0  # counts changes of the running requests' evidence (update, release)
         self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
         self._begun_limit: int | None = None  # the limit of a step `skips_step` began and propose() finishes
+        # the running requests (request_ids) and evidence_version of the last step `skips_step` switched off where that
+        # holds until either changes (`_step_verdict`; None: none): their later steps skip the verdict. A weak draft
+        # switched off cost 8 us more a step than plain decoding with it worked out, 2 us without (about 0.8 ms of its
+        # 128-token request's 50 ms; docs/benchmarks.md)
+        self._off_requests: list[str] | None = None
+        self._off_version = -1
 
     def _state(self, request_id: str) -> _RequestPolicy:
         """What the policy remembers about this request (a new request starts at K)."""
@@ -305,9 +315,18 @@ class PolicyProposer:
     def step_limit(self, batch_size: int) -> int:
         """The most draft tokens any request may draft this step at this running batch size, decided once for the
         running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`."""
-        if self.gated(batch_size) or not self.pays(batch_size):
-            return 0
-        return self.useful_positions(batch_size)
+        return self._step_verdict(batch_size)[0]
+
+    def _step_verdict(self, batch_size: int) -> tuple[int, bool]:
+        """(`step_limit`, whether a limit of 0 holds until the running requests or their evidence change): the batch
+        gate holds, and so does the switch-off bar unless the finished requests' fading evidence decides it
+        (`_pays`)."""
+        if self.gated(batch_size):
+            return 0, True
+        pays, fading_decides = self._pays(batch_size)
+        if not pays:
+            return 0, not fading_decides
+        return self.useful_positions(batch_size), False
 
     def gated(self, batch_size: int) -> bool:
         """The batch gate: nobody speculates at this running batch size, past max_batch_for_speculation or where a
@@ -332,6 +351,12 @@ class PolicyProposer:
     def pays(self, batch_size: int) -> bool:
         """Whether the running requests' evidence so far clears the switch-off bar at this batch size: their accepted
         tokens cover what their steps cost (`PolicyConfig.tokens_needed`)."""
+        return self._pays(batch_size)[0]
+
+    def _pays(self, batch_size: int) -> tuple[bool, bool]:
+        """(`pays`, whether the finished requests' fading evidence decides it: it fills the window). Where it does
+        not, the verdict holds until the running requests or their evidence change: the running requests fill the
+        window alone, or the finished requests' evidence, weighed whole, leaves it short, and only fades further."""
         cfg = self.config
         # the running requests as one (a step's draft and verify forwards are shared), once they have the evidence;
         # finished requests' evidence fills what the running ones lack of the window
@@ -340,13 +365,14 @@ class PolicyProposer:
         proposed, accepted, steps = (sum(r.proposed for r in running), sum(r.accepted for r in running),
                                      sum(r.steps for r in running))
         past_proposed = self.past[PAST_PROPOSED]
-        if proposed < window and past_proposed > 0:
+        past_fills = proposed < window and past_proposed > 0
+        if past_fills:
             share = min(1.0, (window - proposed) / past_proposed)
             proposed, accepted = proposed + share * past_proposed, accepted + share * self.past[PAST_ACCEPTED]
             steps += share * self.past[PAST_STEPS]
         if proposed >= window - 1e-9:
-            return accepted >= cfg.tokens_needed(batch_size, steps, proposed)
-        return not self.hopeless(batch_size)  # before the window is full: stop only a draft that cannot pay
+            return accepted >= cfg.tokens_needed(batch_size, steps, proposed), past_fills
+        return not self.hopeless(batch_size), False  # before the window is full: stop only a draft that cannot pay
 
     def hopeless(self, batch_size: int) -> bool:
         """Whether the running requests' chain drafts so far rule out paying at this batch size (see the module
@@ -410,23 +436,28 @@ class PolicyProposer:
         empty drafts would do it (the evidence fades, new requests are followed); else False, and the next propose()
         finishes the step begun here. The weak trained-pair draft's runs, switched off after their first few steps,
         went from 0.944x / 0.949x to 0.948x / 0.957x of plain with it (two alternating A/Bs, docs/benchmarks.md)."""
-        limit = self._begin_step(request_ids, num_generated)
-        if self._nobody_asked(limit):
+        if self._off_version == self.evidence_version and self._off_requests == request_ids:
+            self.fading.fade()  # the step's bookkeeping where nothing it decides on has changed (`_off_requests`)
             return True
-        self._begun_limit = limit
+        limit, holds = self._begin_step(request_ids, num_generated)
+        if self._nobody_asked(limit):
+            self._off_version, self._off_requests = self.evidence_version, list(request_ids) if holds else None
+            return True
+        self._off_requests, self._begun_limit = None, limit
         return False
 
-    def _begin_step(self, request_ids: list[str], num_generated: list[int]) -> int:
+    def _begin_step(self, request_ids: list[str], num_generated: list[int]) -> tuple[int, bool]:
         """A step's bookkeeping: the evidence fades, the requests are followed (a request joins at its first step) and
-        marked as having begun their answers or not; returns the step's limit (`step_limit`) at the running batch."""
+        marked as having begun their answers or not; returns the step's limit (`step_limit`) at the running batch, and
+        whether a limit of 0 holds until the running requests or their evidence change (`_step_verdict`)."""
         self.fading.fade()
         for request_id, generated in zip(request_ids, num_generated):
             self._state(request_id).answer_started = generated > 0
         batch_size = len(self.requests)
-        limit = self.step_limit(batch_size)
+        limit, holds = self._step_verdict(batch_size)
         # the pool switched off (not gated): the match classes decide each draft (`_class_drafts`)
         self._by_class = limit == 0 and self.by_match_length and not self.gated(batch_size)
-        return limit
+        return limit, holds
 
     def _nobody_asked(self, limit: int) -> bool:
         """Whether a step of this limit leaves the wrapped proposer unasked: nobody drafts, and it has nothing to follow
@@ -439,7 +470,7 @@ class PolicyProposer:
         Finishes a step `skips_step` began, else begins one."""
         limit, self._begun_limit = self._begun_limit, None
         if limit is None:
-            limit = self._begin_step([inp.request_id for inp in inputs], [inp.num_generated for inp in inputs])
+            limit, _ = self._begin_step([inp.request_id for inp in inputs], [inp.num_generated for inp in inputs])
         if self._nobody_asked(limit):
             return [Draft(token_ids=[]) for _ in inputs]
         states = [self.requests[inp.request_id] for inp in inputs]
