@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pipeline.reference.engine import EngineConfig, EngineInputError, LLMEngine, Request
+from pipeline.reference.engine import EngineConfig, EngineInputError, LLMEngine, Request, SamplingParams
 from pipeline.reference.model import LlamaModel
 from pipeline.reference.runner import EngineRunner
 from tests.test_engine import prompts, run
@@ -104,9 +104,31 @@ class BatchLog(LLMEngine):
         return batch
 
 
+@pytest.mark.parametrize("chain, max_new, waits", [("a", 1, True), ("", 1, False), ("a", None, False)])
+def test_only_a_chained_request_finished_at_its_length_holds_the_next_step(model, chain, max_new, waits):
+    """A long request runs beside a short one. Where the short one is chained and ends at its length (a BLS round's
+    end), the next step waits regather_s for its chain's next request, which never comes; an unchained request, or
+    one that ends at end_id (its answer is over), holds nothing."""
+    regather_s = 3.0
+    runner = EngineRunner(engine_for(model), regather_s=regather_s)
+    p = prompts(1, seed=5)[0]
+    start = time.monotonic()
+    long = runner.submit(Request("long", p, max_new_tokens=6))
+    if max_new is None:  # ends at end_id: its first token
+        first = drain(runner.submit(Request("probe", p, max_new_tokens=1)))[0]
+        short = runner.submit(Request("short", p, max_new_tokens=4, sampling=SamplingParams(end_id=first[0])),
+                              chain=chain)
+    else:
+        short = runner.submit(Request("short", p, max_new_tokens=max_new), chain=chain)
+    assert drain(short)[1] == ("length" if max_new else "end_id")
+    assert len(drain(long)[0]) == 6
+    runner.close()
+    assert (time.monotonic() - start >= regather_s) == waits
+
+
 @pytest.mark.parametrize("regather_s", [0.0, 5.0])
 def test_regathering_keeps_chained_requests_in_one_step(model, regather_s):
-    """Four callers each run a chain of one-token requests, sending the next one 2-8 ms after the last
+    """Four callers each run a chain of one-token requests, naming its chain, sending the next one 2-8 ms after the last
     finished (as the BLS does per round): with regathering the chains share every step once gathered (callers
     late for the first steps stay one request behind until they catch up); without it they spread over more
     steps. The tokens are the same either way."""
@@ -118,7 +140,7 @@ def test_regathering_keeps_chained_requests_in_one_step(model, regather_s):
     def chain(i):
         seq = list(ps[i])
         for r in range(6):
-            seq += drain(runner.submit(Request(f"{i}-{r}", seq, max_new_tokens=1)))[0]
+            seq += drain(runner.submit(Request(f"{i}-{r}", seq, max_new_tokens=1), chain=str(i)))[0]
             time.sleep(0.002 * (i + 1))
         results[i] = seq[len(ps[i]):]
 

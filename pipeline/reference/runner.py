@@ -9,8 +9,14 @@ Regathering (`regather_s`): a caller that runs its work as a chain of short requ
 request per speculative round or plain chunk) sends the next one a few milliseconds after the last
 finished. Stepping at once would run the requests that are back without those still on their way,
 and the chains would stay split over two steps from then on (measured: 2.5 sequences per step instead
-of 3.6 with 4 BLS requests in flight). So after a step in which n requests finished, the next step
-waits until n requests arrived after that step ended, or until regather_s passed, whichever is first.
+of 3.6 with 4 BLS requests in flight). So a caller names each request's chain (`submit`'s chain: the
+BLS's calls for one client request), and a chained request that a step finished at its length (a
+round's end; not at end_id, a stop word, a cancel or an error) leaves a debt that its chain's next
+request pays. The next step waits while a debt younger than regather_s is unpaid. Waiting instead for
+as many arrivals as the last step finished counted other chains' requests: a new chain's first
+request, or one back late from an earlier step, took the place of one still on its way, and under
+load the slowest chain stayed one step behind for good (4 chains on a busy host: steps of 1, 1, 3, 3,
+3, ... sequences in 2 of 8 runs).
 """
 
 from __future__ import annotations
@@ -30,15 +36,17 @@ class EngineRunner:
         self.regather_s = regather_s  # see the module docstring; 0 = step at once
         self._queues: dict[str, queue.Queue[RequestOutput]] = {}  # unfinished requests
         self._inbox: list[Request] = []
-        self._arrivals = 0  # requests submitted so far
+        self._chains: dict[str, str] = {}  # unfinished chained request id -> its chain
+        self._debts: dict[str, float] = {}  # chain -> when its unpaid debt was made, oldest first (module docstring)
         self._cancels: list[str] = []
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="engine-runner", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> queue.Queue[RequestOutput]:
-        """Queue a request; returns the queue its outputs arrive on (the last one has finished=True).
+    def submit(self, request: Request, chain: str = "") -> queue.Queue[RequestOutput]:
+        """Queue a request; returns the queue its outputs arrive on (the last one has finished=True). chain: the
+        caller's chain of requests it continues and may be continued in ("": none; see the module docstring).
 
         Raises EngineInputError for bad input, RuntimeError once closed.
         """
@@ -51,7 +59,9 @@ class EngineRunner:
                 raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
             self._queues[request.request_id] = out
             self._inbox.append(request)
-            self._arrivals += 1
+            if chain:
+                self._chains[request.request_id] = chain
+                self._debts.pop(chain, None)  # paid
             self._cond.notify()
         return out
 
@@ -71,14 +81,23 @@ class EngineRunner:
             self._cond.notify()
         self._thread.join(timeout)
 
+    def _unpaid_for(self) -> float:
+        """Seconds until the youngest unpaid regathering debt expires (0: none is unpaid), expired ones dropped;
+        called holding the lock."""
+        now = time.monotonic()
+        for chain, made in list(self._debts.items()):  # oldest first
+            if made + self.regather_s > now:
+                break
+            del self._debts[chain]
+        return next(reversed(self._debts.values())) + self.regather_s - now if self._debts else 0.0
+
     def _loop(self) -> None:
-        returning, mark, deadline = 0, 0, 0.0  # requests the last step finished, arrivals then, until when to wait
         while True:
             with self._cond:
                 while not (self._closed or self._inbox or self._cancels or self.engine.has_unfinished()):
                     self._cond.wait()
-                while self._arrivals - mark < returning and not self._closed and time.monotonic() < deadline:
-                    self._cond.wait(deadline - time.monotonic())
+                while not self._closed and (unpaid_for := self._unpaid_for()) > 0:
+                    self._cond.wait(unpaid_for)
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 closed = self._closed
@@ -96,9 +115,13 @@ class EngineRunner:
                 outputs += self.engine.step()
             except Exception as exc:  # deliver to the requests of the failed step, keep serving
                 outputs += self.engine.abort_running(f"{type(exc).__name__}: {exc}")
-            returning = sum(out.finished for out in outputs) if self.regather_s else 0
             with self._cond:
-                mark, deadline = self._arrivals, time.monotonic() + self.regather_s
+                now = time.monotonic()
+                for out in outputs:
+                    chain = self._chains.pop(out.request_id, None) if out.finished else None
+                    if chain is not None and out.finish_reason == "length" and self.regather_s:
+                        self._debts.pop(chain, None)  # (a chain's debts stay in the order they were made)
+                        self._debts[chain] = now  # its next request pays it
             self._deliver(outputs)
             if closed:
                 return

@@ -93,21 +93,22 @@ class TritonModelClient:
             raise ModelError(f"{model}: {message}")
         return response
 
-    async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+    async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], chain: str,
                          collect: bool = False) -> AsyncIterator:
         if model in self.down:
             raise ModelDown(f"{model} is down ({self.down[model]})")
         self.keeper.release_expired()
         call = CallObjects()
         try:
-            async for response in self._call_responses(model, call, inputs, outputs, collect):
+            async for response in self._call_responses(model, call, inputs, outputs, chain, collect):
                 yield response
         finally:
             self.keeper.hold(call)
 
     async def _call_responses(self, model: str, call: CallObjects, inputs: dict[str, np.ndarray],
-                              outputs: list[str], collect: bool) -> AsyncIterator:
-        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
+                              outputs: list[str], chain: str, collect: bool) -> AsyncIterator:
+        # the request id names the call's chain (TextRequest.chain): the model's EngineRunner regathers by it
+        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, request_id=chain,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
         call.objects.append(request)
         # Not async_exec: in 2.51 it runs exec() on the event loop's default executor (a few threads), which
@@ -146,7 +147,7 @@ class TritonModelClient:
                        returns: Returns = Returns()) -> Generation:
         """One non-streaming call: all generated tokens (and what `returns` asks for)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
-        parts = [part async for part in self._generations(model, inputs, returns, collect=True)]
+        parts = [part async for part in self._generations(model, inputs, returns, req.chain, collect=True)]
         return join_generations(parts)
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
@@ -157,17 +158,17 @@ class TritonModelClient:
         itself."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled and streaming, None, None, returns,
                                engine_draft_len)
-        async for part in self._generations(model, inputs, returns, counters=engine_draft_len is not None):
+        async for part in self._generations(model, inputs, returns, req.chain, counters=engine_draft_len is not None):
             if part.tokens or part.context_logits is not None:
                 yield part
 
-    async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns,
+    async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns, chain: str,
                            collect: bool = False, counters: bool = False) -> AsyncIterator[Generation]:
         names = {"output_log_probs": returns.log_probs, "generation_logits": returns.generation_logits,
                  "context_logits": returns.context_logits,
                  "total_draft_tokens": counters, "total_accepted_draft_tokens": counters}
         outputs = ["output_ids", "sequence_length"] + [name for name, wanted in names.items() if wanted]
-        async for response in self._responses(model, inputs, outputs, collect):
+        async for response in self._responses(model, inputs, outputs, chain, collect):
             arrays = response_outputs(response)
             if "output_ids" not in arrays:  # the empty final-flag response
                 continue

@@ -6,8 +6,8 @@ INVALID_ARG error response and keep serving.
 
 from __future__ import annotations
 
-
 import math
+import uuid
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -236,6 +236,9 @@ class TextRequest:
     return_log_probs: bool = False  # the target's log-probability of each generated token
     return_generation_logits: bool = False  # the target's raw logits for each generated token
     return_context_logits: bool = False  # the target's raw logits for each prompt position
+    # the chain its calls to the engine models form (their request id: EngineRunner regathers a chain's calls), one a
+    # client request
+    chain: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
 
 
 def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:

@@ -64,7 +64,8 @@ class TritonPythonModel:
                 if options.streaming and not self.decoupled:
                     raise RequestError("streaming", "is only supported by a decoupled model (serving.decoupled: false here)",
                                        "send streaming false, or set serving.decoupled: true")
-                outputs = self.runner.submit(engine_req)
+                # the BLS names its calls' chain (TextRequest.chain) by the request id
+                outputs = self.runner.submit(engine_req, chain=request.request_id())
                 if request.request_id():
                     with self.running_lock:
                         self.running.setdefault(request.request_id(), set()).add(engine_req.request_id)
