@@ -81,6 +81,21 @@ def test_text_request_validation(tokenizer):
         parse_text_request({**good, "max_tokens": np.array([[95]], dtype=np.int32)}, settings, tokenizer)
 
 
+def test_a_requests_engine_calls_name_its_chain_but_a_call_that_can_finish_it(tokenizer):
+    """The BLS's calls for one request name one chain (their request id: the engine's runner waits for a chain's next
+    call after a step finished its last one), each request its own; a call that can reach max_tokens names none, as no
+    call follows it."""
+    settings = BlsSettings(tokenizer_dir="", speculative_mode="draft_target", max_draft_len=4, max_input_len=64,
+                           max_seq_len=96)
+    inputs = {"text_input": np.array([[b"hello"]], dtype=object), "max_tokens": np.array([[8]], dtype=np.int32)}
+    req, other = parse_text_request(inputs, settings, tokenizer), parse_text_request(inputs, settings, tokenizer)
+    assert req.chain and other.chain != req.chain and req == other  # a chain is no part of what was asked
+    prompt = req.prompt_ids
+    assert req.call_chain(prompt, 5) == req.chain  # 5 of 8 tokens
+    assert req.call_chain(prompt + [7, 7, 7], 5) == ""  # 3 generated: this call can bring the 8th
+    assert req.call_chain(prompt + [7, 7, 7], 4) == req.chain
+
+
 def test_row_cost_parameter_holds_a_cost_per_draft_row_count_per_batch_size():
     costs = ((1, (1.0, 1.12, 1.17)), (4, (1.0, 1.0, 1.04, 1.33)))
     assert format_row_costs(costs) == "1:1.0,1.12,1.17 4:1.0,1.0,1.04,1.33"

@@ -107,7 +107,7 @@ class TritonModelClient:
 
     async def _call_responses(self, model: str, call: CallObjects, inputs: dict[str, np.ndarray],
                               outputs: list[str], chain: str, collect: bool) -> AsyncIterator:
-        # the request id names the call's chain (TextRequest.chain): the model's EngineRunner regathers by it
+        # the request id names the call's chain (TextRequest.call_chain): the model's EngineRunner regathers by it
         request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, request_id=chain,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
         call.objects.append(request)
@@ -147,7 +147,8 @@ class TritonModelClient:
                        returns: Returns = Returns()) -> Generation:
         """One non-streaming call: all generated tokens (and what `returns` asks for)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
-        parts = [part async for part in self._generations(model, inputs, returns, req.chain, collect=True)]
+        chain = req.call_chain(prompt_ids, max_new)
+        parts = [part async for part in self._generations(model, inputs, returns, chain, collect=True)]
         return join_generations(parts)
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
@@ -158,7 +159,8 @@ class TritonModelClient:
         itself."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled and streaming, None, None, returns,
                                engine_draft_len)
-        async for part in self._generations(model, inputs, returns, req.chain, counters=engine_draft_len is not None):
+        chain = req.call_chain(prompt_ids, max_new)
+        async for part in self._generations(model, inputs, returns, chain, counters=engine_draft_len is not None):
             if part.tokens or part.context_logits is not None:
                 yield part
 

@@ -31,20 +31,21 @@ class LocalModelClient:
                        returns: Returns = Returns()) -> Generation:
         """One non-streaming call."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
-        return join_generations([part async for part in self._generations(model, inputs, req.chain)])
+        chain = req.call_chain(prompt_ids, max_new)
+        return join_generations([part async for part in self._generations(model, inputs, chain)])
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
                      seed: int | None, returns: Returns = Returns(),
                      engine_draft_len: int | None = None, streaming: bool = True) -> AsyncIterator[Generation]:
         """One streaming call (streaming=False: one response with all of the call's tokens)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, streaming, None, None, returns, engine_draft_len)
-        async for part in self._generations(model, inputs, req.chain):
+        async for part in self._generations(model, inputs, req.call_chain(prompt_ids, max_new)):
             if part.tokens or part.context_logits is not None:
                 yield part
 
     async def _generations(self, model: str, inputs: dict[str, np.ndarray], chain: str) -> AsyncIterator[Generation]:
         """The engine's outputs, rendered and read back through the tensorrt_llm arrays as in the server; chain: the
-        call's (TextRequest.chain), which the runner regathers by."""
+        call's (TextRequest.call_chain), which the runner regathers by."""
         runner = self.runners[model]
         request, options = engine_request(inputs, uuid.uuid4().hex, True, runner.engine.model.vocab_size)
         builder = ResponseBuilder(request.prompt_ids, options)

@@ -237,8 +237,14 @@ class TextRequest:
     return_generation_logits: bool = False  # the target's raw logits for each generated token
     return_context_logits: bool = False  # the target's raw logits for each prompt position
     # the chain its calls to the engine models form (their request id: EngineRunner regathers a chain's calls), one a
-    # client request
+    # client request (`call_chain`)
     chain: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
+
+    def call_chain(self, prompt_ids: list[int], max_new: int) -> str:
+        """The chain a call over prompt_ids (this request's prompt and what it generated so far) for up to max_new
+        tokens names: `chain`, or "" for a call that can reach max_tokens (no call follows it for the engine to wait
+        for)."""
+        return "" if len(prompt_ids) - len(self.prompt_ids) + max_new >= self.max_tokens else self.chain
 
 
 def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:

@@ -44,9 +44,10 @@ UNSUPPORTED_ENGINE_INPUTS = (
     "guided_decoding_guide", "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
 )
 
-# How long the engine waits after a step for the next call of each BLS chain (TextRequest.chain) whose call that step
-# finished at its length (EngineRunner regathering): a BLS round trip (response out, prompt lookup, next request in) took about
-# 6 ms of a 91 ms round in `make bench-serve`; waiting longer only delays the other running requests.
+# How long the engine waits after a step for the next call of each BLS chain (TextRequest.call_chain) whose call
+# that step finished at its length (EngineRunner regathering): a BLS round trip (response out, prompt lookup, next
+# request in) took about 6 ms of a 91 ms round in `make bench-serve`; waiting longer only delays the other running
+# requests.
 REGATHER_S = 0.010
 
 

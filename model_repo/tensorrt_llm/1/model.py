@@ -64,7 +64,7 @@ class TritonPythonModel:
                 if options.streaming and not self.decoupled:
                     raise RequestError("streaming", "is only supported by a decoupled model (serving.decoupled: false here)",
                                        "send streaming false, or set serving.decoupled: true")
-                # the BLS names its calls' chain (TextRequest.chain) by the request id
+                # the BLS names its calls' chain (TextRequest.call_chain) by the request id
                 outputs = self.runner.submit(engine_req, chain=request.request_id())
                 if request.request_id():
                     with self.running_lock:
