@@ -118,7 +118,8 @@ class Generation:
 
 
 class ModelClient(Protocol):
-    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server)."""
+    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server). Each call names its chain,
+    `req.call_chain(prompt_ids, max_new)`, by which the engine regathers a request's calls (EngineRunner)."""
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
