@@ -567,55 +567,59 @@ const at::Tensor* gemm_weight(const std::vector<at::Tensor>& weights, int64_t ph
   return i < 0 ? nullptr : &weights[(phase - 1) / PHASES_PER_LAYER * INT8_TENSORS_PER_LAYER + i];
 }
 
-// The int8 GEMMs' packed weights as one stream of bytes, in the order the forward reads them. A team's thread that
-// waits for a phase's last items (the attention's third KV head, a one-row step's row-wise work, which one thread
-// does) prefetches the stream from the next GEMM's first byte up to AHEAD bytes past it, so the coming GEMMs read
-// that part from the caches instead of memory: whole forwards 2.5-3.5% faster at one row (docs/benchmarks.md).
+// The int8 GEMMs' packed weights, GEMM by GEMM in the order the forward reads them. A team's thread that waits for a
+// phase's last items (the attention's third KV head, a one-row step's row-wise work, which one thread does) prefetches
+// the range of the next GEMM's channel groups that it takes first (SharedItems::take_ranges), up to AHEAD / ranges
+// bytes into it, so the coming GEMM reads that part from its own core's L2 instead of memory: whole forwards 2.5-3.5%
+// faster at one row than without. Into L2 and each thread its own range: SmolLM2's one-row steps 2.0-4.3% faster
+// than with one cursor the threads shared from the GEMM's first byte into L1, part of which the other core then read
+// (22 rounds of steps in turns, at 28-55 GB/s; docs/benchmarks.md).
 class WeightStream {
  public:
   static constexpr int64_t AHEAD = 1 << 20, CHUNK = 1024;  // bytes; CHUNK: prefetched between two checks of a phase
 
   WeightStream(const std::vector<at::Tensor>& weights, int64_t phases) : next_(phases) {
-    int64_t offset = 0;
     for (int64_t phase = 0; phase < phases; ++phase)
-      if (const at::Tensor* w = gemm_weight(weights, phase)) {
-        segments_.push_back({w, phase, offset, offset + int64_t(w->nbytes())});
-        offset = segments_.back().end;
-      }
-    for (int64_t phase = 0, s = 0; phase < phases; ++phase) {  // the first segment of a later phase
-      while (s < int64_t(segments_.size()) && segments_[s].phase <= phase) ++s;
-      next_[phase] = s;
+      if (const at::Tensor* w = gemm_weight(weights, phase)) gemms_.push_back({w, phase});
+    for (int64_t phase = 0, g = 0; phase < phases; ++phase) {  // the first GEMM of a later phase
+      while (g < int64_t(gemms_.size()) && gemms_[g].phase <= phase) ++g;
+      next_[phase] = g;
     }
   }
 
-  // Prefetch the next CHUNK of the stream for a thread waiting in `phase`; false once AHEAD bytes past the next
-  // GEMM's first are taken (the threads share one cursor) or no GEMM is left.
-  bool prefetch(int64_t phase) {
-    const int64_t s = next_[phase];
-    if (s == int64_t(segments_.size())) return false;
-    const int64_t first = segments_[s].begin, last = std::min(first + AHEAD, segments_.back().end);
-    int64_t at = cursor_.load(std::memory_order_relaxed);
-    while (at < first && !cursor_.compare_exchange_weak(at, first, std::memory_order_relaxed)) {
-    }
-    at = cursor_.fetch_add(CHUNK, std::memory_order_relaxed);
+  // Prefetch the next CHUNK of thread `thread`'s range (of a team of `threads`) of the next GEMM after `phase`; false
+  // once AHEAD / ranges bytes of it are taken, or where the thread has no range or no GEMM is left.
+  bool prefetch(int64_t phase, int64_t thread, int64_t threads) {
+    const int64_t g = next_[phase], ranges = SharedItems::ranges_for(threads);
+    if (g == int64_t(gemms_.size()) || thread >= ranges) return false;
+    const at::Tensor& w = *gemms_[g].weight;
+    const int64_t groups = w.size(0), group_bytes = int64_t(w.nbytes()) / groups;
+    const int64_t first = SharedItems::range_begin(groups, thread, ranges) * group_bytes;
+    const int64_t end = SharedItems::range_begin(groups, thread + 1, ranges) * group_bytes;  // the range's end
+    const int64_t last = std::min(first + AHEAD / ranges, end);
+    Cursor& cursor = cursors_[thread];
+    if (cursor.gemm != g) cursor = {g, first};
+    const int64_t at = cursor.at;
     if (at >= last) return false;
-    int64_t k = s;
-    while (segments_[k].end <= at) ++k;
-    const char* bytes = static_cast<const char*>(segments_[k].weight->data_ptr()) - segments_[k].begin;
+    cursor.at += CHUNK;
 #if defined(__x86_64__) || defined(__i386__)
-    for (int64_t b = at; b < std::min(at + CHUNK, segments_[k].end); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+    const char* bytes = static_cast<const char*>(w.data_ptr());
+    for (int64_t b = at; b < std::min(at + CHUNK, last); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T1);
 #endif
     return true;
   }
 
  private:
-  struct Segment {
+  struct Gemm {
     const at::Tensor* weight;
-    int64_t phase, begin, end;  // its GEMM's phase; its bytes' place in the stream
+    int64_t phase;
   };
-  std::vector<Segment> segments_;  // the GEMMs in phase order
-  std::vector<int64_t> next_;      // phase -> the first segment of a later phase
-  std::atomic<int64_t> cursor_{0};
+  struct alignas(64) Cursor {  // one thread's, on a cache line of its own
+    int64_t gemm = -1, at = 0;  // the GEMM it prefetches for, the next byte
+  };
+  std::vector<Gemm> gemms_;    // in phase order
+  std::vector<int64_t> next_;  // phase -> the first GEMM of a later phase
+  Cursor cursors_[SharedItems::RANGES];
 };
 
 // o[i] = y[i] * s + b[i] for i < n (b may be o: a residual added in place): an int8 GEMM's output row rescaled
@@ -733,9 +737,10 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   WeightStream stream(weights, tickets.size(0));
   run_team([&](Team& team, int64_t threads) {
     int64_t phase = 0;
+    const int64_t thread = omp_get_thread_num();
     // every thread passes the phases in order: it takes what items are left of each, then waits for the rest
     auto next_phase = [&] {
-      team.wait_for(SharedItems{tickets_p + phase * 8}, [&] { return stream.prefetch(phase); });
+      team.wait_for(SharedItems{tickets_p + phase * 8}, [&] { return stream.prefetch(phase, thread, threads); });
       ++phase;
     };
     auto rows = [&](const auto& f) {  // f(t) for the rows this thread takes

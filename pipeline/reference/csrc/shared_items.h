@@ -48,9 +48,10 @@ struct SharedItems {
   template <typename F>
   void take_ranges(int64_t count, int64_t chunk, int64_t thread, int64_t threads, const F& f) const {
     __atomic_store_n(row + COUNT, count, __ATOMIC_RELAXED);
-    const int64_t ranges = threads < 1 ? 1 : (threads < RANGES ? threads : RANGES);
+    const int64_t ranges = ranges_for(threads);
     for (int64_t k = 0; k < ranges; ++k) {
-      const int64_t r = (thread + k) % ranges, first = count * r / ranges, last = count * (r + 1) / ranges;
+      const int64_t r = (thread + k) % ranges;
+      const int64_t first = range_begin(count, r, ranges), last = range_begin(count, r + 1, ranges);
       int64_t* taken = row + (r == 0 ? NEXT : 2 + r);
       for (int64_t begin = first + __atomic_fetch_add(taken, chunk, __ATOMIC_RELAXED); begin < last;
            begin = first + __atomic_fetch_add(taken, chunk, __ATOMIC_RELAXED)) {
@@ -61,6 +62,10 @@ struct SharedItems {
     }
     if (ranges > 1) __atomic_store_n(row + NEXT, count, __ATOMIC_RELAXED);  // every item taken: `exhausted`
   }
+
+  // How many ranges `take_ranges` splits a phase into for a team of `threads`; range r's first item of `count`.
+  static int64_t ranges_for(int64_t threads) { return threads < 1 ? 1 : (threads < RANGES ? threads : RANGES); }
+  static int64_t range_begin(int64_t count, int64_t r, int64_t ranges) { return count * r / ranges; }
 
   // Whether any item is left to take (a caller that finds none can skip its preparation).
   bool exhausted() const {
