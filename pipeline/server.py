@@ -230,22 +230,26 @@ class TritonServer:
         two `tensorrt_llm` stubs whose first forward was building a kernel when their servers stopped (the failing
         dead-draft test, 2026-12-04) were still running, orphaned, two hours later. The stubs share the server's
         process group, which the server leads (start_new_session), so whatever is left in the group once the server
-        has exited is killed. (A stub stopped with SIGSTOP did not reproduce it: Triton killed that one itself.)
+        has exited is killed. (A stub stopped with SIGSTOP did not reproduce it: Triton killed that one itself.) That
+        happens also where the wait is cut short, by a Ctrl-C while the server unloads: the drain test's SIGINT after
+        its SIGTERM (2026-12-07) left an ensemble stub running.
         """
         if self.process is None:
             return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # stubs left behind, if any
-        except ProcessLookupError:
-            pass  # the group is empty: every stub exited with the server
-        self._cleanup_shm()
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGINT)
+                try:
+                    self.process.wait(timeout=45)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait(timeout=10)
+        finally:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)  # stubs left behind, if any
+            except ProcessLookupError:
+                pass  # the group is empty: every stub exited with the server
+            self._cleanup_shm()
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log."""

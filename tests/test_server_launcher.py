@@ -49,6 +49,36 @@ def test_serves_and_cleans_up(tmp_path):
     assert "Started HTTPService" in server.log_file.read_text()
 
 
+def test_a_stop_cut_short_by_ctrl_c_still_kills_the_server_and_its_stubs(tmp_path):
+    """A Ctrl-C while the server unloads (a model's finalize hangs, so Triton waits its exit timeout) interrupts
+    `stop`, which still kills the server's process group: no python stub is left running."""
+    import _thread
+    import os
+    import signal
+    import threading
+    import time
+
+    hanging = ECHO_MODEL + "    def finalize(self):\n        import time\n        time.sleep(300)\n"
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(make_repo(tmp_path / "repo", hanging), http_port=http, grpc_port=grpc, metrics_port=metrics)
+    server.start()
+    group = server.process.pid
+    threading.Timer(2.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    server.process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    left = os.popen(f"ps -o pid,cmd -g {group}").read()
+    os.killpg(group, signal.SIGKILL)
+    pytest.fail(f"processes left in the server's group: {left}")
+
+
 def test_model_that_cannot_load_fails_fast_with_the_log(tmp_path):
     http, grpc, metrics = free_ports(3)
     server = TritonServer(make_repo(tmp_path / "repo", "raise ImportError('no such thing')\n"), http_port=http,
