@@ -1,6 +1,11 @@
 """pipeline.server.TritonServer on small hand-written repositories: readiness, failures, cleanup."""
 
+import _thread
+import os
+import signal
 import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +57,6 @@ def test_serves_and_cleans_up(tmp_path):
 def test_a_stop_cut_short_by_ctrl_c_still_kills_the_server_and_its_stubs(tmp_path):
     """A Ctrl-C while the server unloads (a model's finalize hangs, so Triton waits its exit timeout) interrupts
     `stop`, which still kills the server's process group: no python stub is left running."""
-    import _thread
-    import os
-    import signal
-    import threading
-    import time
-
     hanging = ECHO_MODEL + "    def finalize(self):\n        import time\n        time.sleep(300)\n"
     http, grpc, metrics = free_ports(3)
     server = TritonServer(make_repo(tmp_path / "repo", hanging), http_port=http, grpc_port=grpc, metrics_port=metrics)
