@@ -39,7 +39,8 @@ class LocalModelClient:
                      engine_draft_len: int | None = None, streaming: bool = True) -> AsyncIterator[Generation]:
         """One streaming call (streaming=False: one response with all of the call's tokens)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, streaming, None, None, returns, engine_draft_len)
-        async for part in self._generations(model, inputs, req.call_chain(prompt_ids, max_new)):
+        chain = req.call_chain(prompt_ids, max_new)
+        async for part in self._generations(model, inputs, chain):
             if part.tokens or part.context_logits is not None:
                 yield part
 

@@ -242,8 +242,8 @@ class TextRequest:
 
     def call_chain(self, prompt_ids: list[int], max_new: int) -> str:
         """The chain a call over prompt_ids (this request's prompt and what it generated so far) for up to max_new
-        tokens names: `chain`, or "" for a call that can reach max_tokens (no call follows it for the engine to wait
-        for)."""
+        tokens names: `chain`, or "" for a call that can reach max_tokens. The request may end with such a call, and
+        the engine waiting for a next call that never comes would hold every other request's next step."""
         return "" if len(prompt_ids) - len(self.prompt_ids) + max_new >= self.max_tokens else self.chain
 
 
