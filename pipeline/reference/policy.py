@@ -297,7 +297,7 @@ class PolicyProposer:
         self._hopeless_verdict: tuple[tuple[int, int] | None, bool] = (None, False)  # `hopeless`'s last (key, verdict)
         self._begun_limit: int | None = None  # the limit of a step `skips_step` began and propose() finishes
         # the running requests (request_ids) and evidence_version of the last step `skips_step` switched off where that
-        # holds until either changes (`_step_verdict`; None: none): their later steps skip the verdict. A weak draft
+        # holds until either changes (`_step_limit`; None: none): their later steps skip the verdict. A weak draft
         # switched off cost 8 us more a step than plain decoding with it worked out, 2 us without (about 0.8 ms of its
         # 128-token request's 50 ms; docs/benchmarks.md)
         self._off_requests: list[str] | None = None
@@ -312,15 +312,11 @@ class PolicyProposer:
             self.requests[request_id] = state
         return state
 
-    def step_limit(self, batch_size: int) -> int:
+    def _step_limit(self, batch_size: int) -> tuple[int, bool]:
         """The most draft tokens any request may draft this step at this running batch size, decided once for the
-        running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`."""
-        return self._step_verdict(batch_size)[0]
-
-    def _step_verdict(self, batch_size: int) -> tuple[int, bool]:
-        """(`step_limit`, whether a limit of 0 holds until the running requests or their evidence change): the batch
-        gate holds, and so does the switch-off bar unless the finished requests' fading evidence decides it
-        (`_pays`)."""
+        running requests together: 0 past the batch gate or below the switch-off bar, else `useful_positions`; and
+        whether a limit of 0 holds until the running requests or their evidence change: the batch gate holds, and so
+        does the switch-off bar unless the finished requests' fading evidence decides it (`_pays`)."""
         if self.gated(batch_size):
             return 0, True
         pays, fading_decides = self._pays(batch_size)
@@ -337,7 +333,7 @@ class PolicyProposer:
 
     def draft_len(self, state: _RequestPolicy, inp: ProposalInput, limit: int) -> int:
         """K for this request (`state`: what the policy remembers of it) this step (0 = decode plainly), at most the
-        step's `limit` (`step_limit`)."""
+        step's `limit` (`_step_limit`)."""
         if limit == 0:
             return 0
         cfg = self.config
@@ -448,13 +444,13 @@ class PolicyProposer:
 
     def _begin_step(self, request_ids: list[str], num_generated: list[int]) -> tuple[int, bool]:
         """A step's bookkeeping: the evidence fades, the requests are followed (a request joins at its first step) and
-        marked as having begun their answers or not; returns the step's limit (`step_limit`) at the running batch, and
-        whether a limit of 0 holds until the running requests or their evidence change (`_step_verdict`)."""
+        marked as having begun their answers or not; returns the step's limit at the running batch, and whether a limit
+        of 0 holds until the running requests or their evidence change (`_step_limit`)."""
         self.fading.fade()
         for request_id, generated in zip(request_ids, num_generated):
             self._state(request_id).answer_started = generated > 0
         batch_size = len(self.requests)
-        limit, holds = self._step_verdict(batch_size)
+        limit, holds = self._step_limit(batch_size)
         # the pool switched off (not gated): the match classes decide each draft (`_class_drafts`)
         self._by_class = limit == 0 and self.by_match_length and not self.gated(batch_size)
         return limit, holds

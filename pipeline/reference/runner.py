@@ -46,7 +46,8 @@ class EngineRunner:
 
     def submit(self, request: Request, chain: str = "") -> queue.Queue[RequestOutput]:
         """Queue a request; returns the queue its outputs arrive on (the last one has finished=True). chain: the
-        caller's chain of requests it continues and may be continued in ("": none; see the module docstring).
+        caller's chain of requests it continues and may be continued in ("": none; not kept with regather_s 0; see
+        the module docstring).
 
         Raises EngineInputError for bad input, RuntimeError once closed.
         """
@@ -59,7 +60,7 @@ class EngineRunner:
                 raise EngineInputError("request_id", f"{request.request_id!r} is already running; use a unique id")
             self._queues[request.request_id] = out
             self._inbox.append(request)
-            if chain:
+            if chain and self.regather_s:
                 self._chains[request.request_id] = chain
                 self._debts.pop(chain, None)  # paid
             self._cond.notify()
@@ -119,7 +120,7 @@ class EngineRunner:
                 now = time.monotonic()
                 for out in outputs:
                     chain = self._chains.pop(out.request_id, None) if out.finished else None
-                    if chain is not None and out.finish_reason == "length" and self.regather_s:
+                    if chain is not None and out.finish_reason == "length":
                         self._debts.pop(chain, None)  # (a chain's debts stay in the order they were made)
                         self._debts[chain] = now  # its next request pays it
             self._deliver(outputs)
