@@ -14,6 +14,11 @@ BLS_MODEL = "tensorrt_llm_bls"
 ENSEMBLE_MODEL = "ensemble"
 MODEL_NAMES = (PREPROCESSING_MODEL, POSTPROCESSING_MODEL, TARGET_MODEL, DRAFT_MODEL, BLS_MODEL, ENSEMBLE_MODEL)
 
+# The request parameter by which the BLS names the chain a call to an engine continues (TextRequest.call_chain; the
+# reference engine's runner regathers by it). The call's request id is the client request's own, on every call, so
+# that a `stop` request with that id can end the call (NVIDIA's stop flag).
+CHAIN_PARAMETER = "specdeploy_chain"
+
 # Metrics of the speculative BLS (modelled on vLLM's spec_decode metrics), labelled by model.
 DRAFT_TOKENS_METRIC = "spec_decode_draft_tokens_total"
 ACCEPTED_TOKENS_METRIC = "spec_decode_accepted_tokens_total"

@@ -22,12 +22,11 @@ import pytest
 
 from clients.client import AsyncTritonClient, ClientError, GenerateRequest, SamplingParams, TritonClient
 from pipeline.lifecycle import Endpoints, check, stub_pids
-from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.names import METRICS_FLUSH_S
 from pipeline.serving import heartbeat
 from pipeline.serving.drain import DRAIN_ENV, DRAINING, read_state
 from tests.test_server_triton import prompts
-from tests.triton_fixtures import MAX_DRAFT_LEN, serving, write_spec
+from tests.triton_fixtures import LEFT_PLAIN_STEPS, MAX_DRAFT_LEN, serving, write_spec
 
 LONG = 200  # tokens: far more than one plain chunk or one round, so a leak of work shows
 K = 3
@@ -70,8 +69,8 @@ def request(prompt: str, max_tokens: int, k: int, **sampling) -> GenerateRequest
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("k", [0, K])
 def test_a_client_that_leaves_stops_engine_work(triton_server, model, protocol, k):
-    """gRPC stream cancel / HTTP generate_stream disconnect: the engines stop within about one plain chunk (k=0) or
-    two speculative rounds of the client's leaving, counted by the engines' own step counters from idle to idle
+    """gRPC stream cancel / HTTP generate_stream disconnect: the engines stop within a few steps (k=0: the BLS's stop
+    request ends its one target call) or two speculative rounds of the client's leaving, counted by the engines' own step counters from idle to idle
     (they are sent while an engine works at most every METRICS_FLUSH_S, and whenever it goes idle)."""
     url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
     before = settled_steps(triton_server.metrics_url)
@@ -85,9 +84,9 @@ def test_a_client_that_leaves_stops_engine_work(triton_server, model, protocol, 
     client.close()
     target = after["tensorrt_llm"] - before["tensorrt_llm"]
     draft = after.get("tensorrt_llm_draft", 0) - before.get("tensorrt_llm_draft", 0)
-    # The chunk under way when the third response arrived and one more finish (or the rounds of the responses read,
-    # the one in flight and one that started before the cancel arrived); the other ~170 tokens are never generated.
-    assert target <= 2 * (PLAIN_CHUNK_TOKENS + 1), (target, draft)
+    # The steps until the BLS's stop request reached the target's call (or the rounds of the responses read, the one
+    # in flight and one that started before the cancel arrived); the other ~170 tokens are never generated.
+    assert target <= LEFT_PLAIN_STEPS, (target, draft)
     assert draft <= 6 * MAX_DRAFT_LEN, (target, draft)
 
 

@@ -38,6 +38,12 @@ def request_inputs(request, names: list[str]) -> dict[str, np.ndarray]:
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs() if tensor.name() in wanted}
 
 
+def request_parameter(request, name: str) -> str:
+    """A string parameter of a Triton request ("" where the request has none of that name)."""
+    value = json.loads(request.parameters() or "{}").get(name, "")
+    return value if isinstance(value, str) else ""
+
+
 def response_outputs(response) -> dict[str, np.ndarray]:
     """Every output tensor of a model's response, as numpy arrays (one pass, as `request_inputs`)."""
     return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}

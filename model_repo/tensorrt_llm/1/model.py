@@ -17,6 +17,7 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from pipeline.reference.engine import EngineInputError
+from pipeline.names import CHAIN_PARAMETER
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import heartbeat, triton_io
 from pipeline.serving.reference_adapter import (REGATHER_S, ResponseBuilder, engine_request, load_serving_engine,
@@ -64,8 +65,8 @@ class TritonPythonModel:
                 if options.streaming and not self.decoupled:
                     raise RequestError("streaming", "is only supported by a decoupled model (serving.decoupled: false here)",
                                        "send streaming false, or set serving.decoupled: true")
-                # the BLS names its calls' chain (TextRequest.call_chain) by the request id
-                outputs = self.runner.submit(engine_req, chain=request.request_id())
+                # the BLS names the chain a call continues (TextRequest.call_chain) in a request parameter
+                outputs = self.runner.submit(engine_req, chain=triton_io.request_parameter(request, CHAIN_PARAMETER))
                 if request.request_id():
                     with self.running_lock:
                         self.running.setdefault(request.request_id(), set()).add(engine_req.request_id)
