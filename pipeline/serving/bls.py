@@ -20,10 +20,9 @@ return_context_logits) come from the target's calls only, so they are the target
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
 stream from one target call for all their tokens, which the BLS ends with the model's stop request (NVIDIA's `stop`
-flag, by the request id every call carries) as soon as the client leaves: calls of 16 tokens each, as before, served
-plain and prompt-lookup requests about 9% slower in `make bench` (each call a new engine request: its admission,
-its prefix found in the cache, its lookup and policy state anew). With settings.stream_interval N > 1 the request's
-first token
+flag, by the request id every call carries) as soon as the client leaves. (Calls of 16 tokens, each a new engine
+request, stopped within one call but cost the restarts: docs/reliability.md.) With settings.stream_interval N > 1
+the request's first token
 comes from a call of its own, then calls of N tokens are answered once each, so each later response carries N
 tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the engine: N=16 served
 8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
