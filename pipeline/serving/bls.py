@@ -22,10 +22,9 @@ Plain requests (no speculation, or medusa/eagle where the target engine speculat
 stream from one target call for all their tokens, which the BLS ends with the model's stop request (NVIDIA's `stop`
 flag, by the request id every call carries) as soon as the client leaves. (Calls of 16 tokens, each a new engine
 request, stopped within one call but cost the restarts: docs/reliability.md.) With settings.stream_interval N > 1
-the request's first token
-comes from a call of its own, then calls of N tokens are answered once each, so each later response carries N
-tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the engine: N=16 served
-8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
+the request's first token comes from a call of its own, then calls of N tokens are answered once each, so each
+later response carries N tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the
+engine: N=16 served 8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
 engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
@@ -121,8 +120,10 @@ class Generation:
 
 
 class ModelClient(Protocol):
-    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server). Each call names its chain,
-    `req.call_chain(prompt_ids, max_new)`, by which the engine regathers a request's calls (EngineRunner)."""
+    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server). Every call of a client
+    request carries its `req.chain` as request id (`stop` ends the running ones), and a call that may be continued
+    names its chain, `req.call_chain(prompt_ids, max_new)`, by which the engine regathers a request's calls
+    (EngineRunner)."""
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,

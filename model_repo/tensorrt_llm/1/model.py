@@ -16,8 +16,8 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from pipeline.reference.engine import EngineInputError
 from pipeline.names import CHAIN_PARAMETER
+from pipeline.reference.engine import EngineInputError
 from pipeline.reference.runner import EngineRunner
 from pipeline.serving import heartbeat, triton_io
 from pipeline.serving.reference_adapter import (REGATHER_S, ResponseBuilder, engine_request, load_serving_engine,
