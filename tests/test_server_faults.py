@@ -70,8 +70,9 @@ def request(prompt: str, max_tokens: int, k: int, **sampling) -> GenerateRequest
 @pytest.mark.parametrize("k", [0, K])
 def test_a_client_that_leaves_stops_engine_work(triton_server, model, protocol, k):
     """gRPC stream cancel / HTTP generate_stream disconnect: the engines stop within a few steps (k=0: the BLS's stop
-    request ends its one target call) or two speculative rounds of the client's leaving, counted by the engines' own step counters from idle to idle
-    (they are sent while an engine works at most every METRICS_FLUSH_S, and whenever it goes idle)."""
+    request ends its one target call) or two speculative rounds of the client's leaving, counted by the engines' own
+    step counters from idle to idle (they are sent while an engine works at most every METRICS_FLUSH_S, and whenever
+    it goes idle)."""
     url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
     before = settled_steps(triton_server.metrics_url)
     client = TritonClient(url, protocol=protocol, model=model, timeout_s=60)
