@@ -5,8 +5,7 @@ returns a plain (blocking) iterator; with non-decoupled models every call is one
 response, as NVIDIA's stock BLS calls them, and a "stream" is that one response. Both run on this
 client's thread pool so the event loop keeps serving the other requests. A non-streaming call (`generate`:
 a speculative round, a draft) runs exec and reads every response in one pool job: one thread hop per call
-instead of one per response (each hop measured 0.25-0.35 ms of a round outside the model). A streaming call's
-responses are read by one pool job too, which hands each to the event loop as it arrives (`_read`).
+instead of one per response (each hop measured 0.25-0.35 ms of a round outside the model).
 
 A model whose python stub died never answers the calls already sent to it (Triton 2.51 keeps them
 waiting forever) and refuses new ones with "Stub process ... is not healthy". That error marks the
@@ -139,51 +138,12 @@ class TritonModelClient:
         if not self.decoupled:  # one unary response
             yield self._checked(model, answer)
             return
-        async for response in self._read(model, call, answer):
-            yield self._checked(model, response)
-
-    async def _read(self, model: str, call: CallObjects, answer) -> AsyncIterator:
-        """A decoupled call's responses, read by one pool thread for the whole call and handed to the event loop as
-        they come: a thread hop per response (run_in_executor of next(), awaited under wait_for) took about 150 us of
-        CPU against 13 us this way (docs/benchmarks.md). Watched as `_call` watches: ModelDown once the
-        model is down, ModelError after stall_timeout_s without a response."""
-        loop = asyncio.get_running_loop()
-        arrived: asyncio.Queue = asyncio.Queue()
-
-        def hand_over(item) -> None:
-            try:
-                loop.call_soon_threadsafe(arrived.put_nowait, item)
-            except RuntimeError:  # the event loop closed (the model is being unloaded): nobody waits any more
-                pass
-
-        def read() -> None:
-            try:
-                for response in answer:
-                    call.objects.append(response)  # referenced from Python until the keeper lets it go
-                    hand_over(response)
-                hand_over(_DONE)
-            except Exception as exc:  # the stub's error, raised where the responses are read
-                hand_over(exc)
-
-        call.pending = loop.run_in_executor(self.pool, read)
-        waited = 0.0
         while True:
-            if model in self.down:
-                raise ModelDown(f"{model} is down ({self.down[model]})")
-            try:
-                async with asyncio.timeout(POLL_S):
-                    item = await arrived.get()
-            except TimeoutError:
-                waited += POLL_S
-                if waited >= self.stall_timeout_s:
-                    raise ModelError(f"{model}: no response for {self.stall_timeout_s:g} s") from None
-                continue
-            if item is _DONE:
+            response = await self._call(model, call, next, answer, _DONE)
+            if response is _DONE:
                 return
-            if isinstance(item, Exception):
-                raise item
-            waited = 0.0
-            yield item
+            call.objects.append(response)
+            yield self._checked(model, response)
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
