@@ -8,11 +8,9 @@ from dataclasses import dataclass
 # KV cache block size of every engine: trtllm-build --tokens_per_block, the reference engine's paged KV cache
 # (partial-block reuse makes each verify call compute only its new tokens at this block size).
 TOKENS_PER_BLOCK = 32
-# The most tokens of a BLS target call that the BLS cannot stop while it runs: Triton 2.51 cannot cancel a BLS
-# sub-request, and a call answered once (serving.stream_interval's calls) shows no progress to stop it on, so a
-# cancelled request stops within one such call (measured: docs/reliability.md). It also bounds the plain tokens the
-# BLS asks for while its batch gate holds, before it asks the gate again. A streamed call runs for all of a request's
-# plain tokens: the BLS ends it with the model's stop request when the client leaves.
+# Plain decoding through the BLS streams from target calls of at most this many tokens: Triton 2.51 cannot cancel a
+# BLS sub-request, so a cancelled request stops within one call (measured: docs/reliability.md). It also bounds
+# serving.stream_interval, the tokens of such a call answered at once.
 PLAIN_CHUNK_TOKENS = 16
 
 

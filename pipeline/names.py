@@ -15,8 +15,8 @@ ENSEMBLE_MODEL = "ensemble"
 MODEL_NAMES = (PREPROCESSING_MODEL, POSTPROCESSING_MODEL, TARGET_MODEL, DRAFT_MODEL, BLS_MODEL, ENSEMBLE_MODEL)
 
 # The request parameter by which the BLS names the chain a call to an engine continues (TextRequest.call_chain; the
-# reference engine's runner regathers by it). The call's request id is the client request's own, on every call, so
-# that a `stop` request with that id can end the call (NVIDIA's stop flag).
+# reference engine's runner regathers by it). Not the request id: a client's own request id (NVIDIA's clients set one)
+# is no chain, and a request that names none holds no step.
 CHAIN_PARAMETER = "specdeploy_chain"
 
 # Metrics of the speculative BLS (modelled on vLLM's spec_decode metrics), labelled by model.

@@ -29,11 +29,6 @@ import yaml
 DRAFT_MAX_SEQ_LEN = 64  # draft calls whose sequence is longer fail: exercises the BLS fallback
 MAX_DRAFT_LEN = 4
 NUM_DRAFT_TOKENS = 3
-# Target engine steps, from idle to idle, of a 200-token plain stream whose client leaves after 3 responses: the BLS
-# ends its one target call with a stop request once it sees the cancel, and the tiny engine, whose steps take well
-# under a millisecond, steps on meanwhile (9-14 steps measured on a quiet host, 10-48 beside a CI run); a call left
-# to run would take all 200.
-LEFT_PLAIN_STEPS = 120
 
 
 @dataclass

@@ -19,12 +19,10 @@ Log-probabilities and logits a request asks for (return_log_probs, return_genera
 return_context_logits) come from the target's calls only, so they are the target's whatever proposed
 the tokens; context logits come with the request's first target call.
 Plain requests (no speculation, or medusa/eagle where the target engine speculates itself)
-stream from one target call for all their tokens, which the BLS ends with the model's stop request (NVIDIA's `stop`
-flag, by the request id every call carries) as soon as the client leaves. (Calls of 16 tokens, each a new engine
-request, stopped within one call but cost the restarts: docs/reliability.md.) With settings.stream_interval N > 1
-the request's first token comes from a call of its own, then calls of N tokens are answered once each, so each
-later response carries N tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the
-engine: N=16 served 8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
+stream from target calls of PLAIN_CHUNK_TOKENS tokens; with settings.stream_interval N > 1 the request's first token
+comes from a call of its own, then calls of N tokens are answered once each, so each later response carries N
+tokens (on a 2-core CPU host each streamed response took about 1.5 ms of CPU beside the engine: N=16 served
+8-44% faster, docs/benchmarks.md). So do prompt-lookup requests where the target
 engine runs the lookup itself (settings.engine_lookup, the reference toolchain, as TensorRT-LLM's
 PyTorch backend runs NGram): every call carries the request's K (num_draft_tokens, 0 for a request that
 does not speculate), the engine drafts and verifies in its own step loop under the same rules (the cut,
@@ -120,10 +118,9 @@ class Generation:
 
 
 class ModelClient(Protocol):
-    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server). Every call of a client
-    request carries its `req.chain` as request id (`stop` ends the running ones), and a call that may be continued
-    names its chain, `req.call_chain(prompt_ids, max_new)`, by which the engine regathers a request's calls
-    (EngineRunner)."""
+    """Calls into the tensorrt_llm-interface models (Triton BLS requests in the server). Each call names its chain,
+    `req.call_chain(prompt_ids, max_new)` (a request parameter, CHAIN_PARAMETER), by which the engine regathers a
+    request's calls (EngineRunner)."""
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
@@ -137,10 +134,6 @@ class ModelClient(Protocol):
         """One streaming call: yields new tokens (and what `returns` asks for) as the model produces them.
         engine_draft_len: K for a target that drafts itself (engine_io.engine_inputs). streaming=False: the model
         answers the call once, with all of its tokens (one response instead of one a step)."""
-        ...
-
-    async def stop(self, model: str, req: TextRequest) -> None:
-        """End `req`'s calls running in `model` (NVIDIA's stop request): they end early, with the tokens they have."""
         ...
 
 
@@ -373,38 +366,28 @@ class SpeculativeDecoder:
 
     async def _plain(self, req: TextRequest, generated: list[int], max_new: int, cancelled: Callable[[], bool],
                      engine_k: int | None, stats: RequestStats) -> AsyncIterator[Generation]:
-        """One streamed target call for max_new tokens, ended by the model's stop request once `cancelled()`; with a
-        stream interval N > 1 the request's first token alone (its time to first token unchanged), then calls of N
-        tokens answered once each. engine_k: K for a target that drafts itself, whose counters each call adds to
-        `stats` (the engine's model exports them as metrics itself)."""
+        """Target calls of at most PLAIN_CHUNK_TOKENS tokens, streamed; with a stream interval N > 1 the request's
+        first token alone (its time to first token unchanged), then calls of N tokens answered once each. engine_k:
+        K for a target that drafts itself, whose counters each call adds to `stats` (the engine's model exports them
+        as metrics itself)."""
         done, interval = 0, self.settings.stream_interval
         while done < max_new:
             if interval > 1:
                 chunk, streaming = (min(interval, max_new - done) if generated else 1), False
             else:
-                chunk, streaming = max_new - done, True
+                chunk, streaming = min(PLAIN_CHUNK_TOKENS, max_new - done), True
             got, last = 0, None
             async for out in self.client.stream(self.settings.target_model, req.prompt_ids + generated, chunk, req,
                                                 role_seed(req.sampling.seed, ROLE_TARGET), _target_returns(req, generated),
                                                 engine_draft_len=engine_k, streaming=streaming):
                 got, last = got + len(out.tokens), out
                 yield out  # the caller appends its tokens to `generated`
-                if cancelled():  # the client left (or the drain ran out): end the call now, not at its end
-                    await self._stop_target(req)
-                    return
             if last is not None and last.drafted:
                 stats.total_draft_tokens += last.drafted
                 stats.total_accepted_draft_tokens += last.accepted
             done += got
             if got < chunk or cancelled():  # the target stopped (end_id / stop word), or the client left
                 return
-
-    async def _stop_target(self, req: TextRequest) -> None:
-        """Stop `req`'s running target call; a stop that fails is logged (the call then runs to its end)."""
-        try:
-            await self.client.stop(self.settings.target_model, req)
-        except Exception as exc:
-            self.log_warning(f"tensorrt_llm_bls: could not stop a left request's target call ({exc})")
 
     async def _round(self, req: TextRequest, generated: list[int], k: int) -> tuple[Generation, int, int, bool]:
         """One propose + verify round: (the target's new tokens, proposed, accepted, whether it stopped early)."""

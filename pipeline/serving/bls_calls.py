@@ -29,9 +29,9 @@ from typing import AsyncIterator, Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
 from pipeline.names import CHAIN_PARAMETER
-from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations, stop_inputs
+from pipeline.serving.bls import Generation, ModelDown, ModelError, Returns
+from pipeline.serving.engine_io import engine_inputs, generation_from_arrays, join_generations
 from pipeline.serving.params import TextRequest
 from pipeline.serving.stub_keeper import CallObjects, StubObjectKeeper
 from pipeline.serving.triton_io import response_outputs
@@ -94,23 +94,23 @@ class TritonModelClient:
             raise ModelError(f"{model}: {message}")
         return response
 
-    async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], request_id: str,
-                         chain: str, collect: bool = False) -> AsyncIterator:
+    async def _responses(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], chain: str,
+                         collect: bool = False) -> AsyncIterator:
         if model in self.down:
             raise ModelDown(f"{model} is down ({self.down[model]})")
         self.keeper.release_expired()
         call = CallObjects()
         try:
-            async for response in self._call_responses(model, call, inputs, outputs, request_id, chain, collect):
+            async for response in self._call_responses(model, call, inputs, outputs, chain, collect):
                 yield response
         finally:
             self.keeper.hold(call)
 
     async def _call_responses(self, model: str, call: CallObjects, inputs: dict[str, np.ndarray],
-                              outputs: list[str], request_id: str, chain: str, collect: bool) -> AsyncIterator:
-        # the request id is the client request's (a stop request names it); a parameter names the chain the call
-        # continues (TextRequest.call_chain), by which the model's EngineRunner regathers
-        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, request_id=request_id,
+                              outputs: list[str], chain: str, collect: bool) -> AsyncIterator:
+        # a request parameter names the chain the call continues (TextRequest.call_chain): the model's EngineRunner
+        # regathers by it
+        request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
                                             parameters={CHAIN_PARAMETER: chain} if chain else {})
         call.objects.append(request)
@@ -151,7 +151,7 @@ class TritonModelClient:
         """One non-streaming call: all generated tokens (and what `returns` asks for)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
         chain = req.call_chain(prompt_ids, max_new)
-        parts = [part async for part in self._generations(model, inputs, returns, req.chain, chain, collect=True)]
+        parts = [part async for part in self._generations(model, inputs, returns, chain, collect=True)]
         return join_generations(parts)
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
@@ -163,24 +163,17 @@ class TritonModelClient:
         inputs = engine_inputs(prompt_ids, max_new, req, seed, self.decoupled and streaming, None, None, returns,
                                engine_draft_len)
         chain = req.call_chain(prompt_ids, max_new)
-        async for part in self._generations(model, inputs, returns, req.chain, chain,
-                                            counters=engine_draft_len is not None):
+        async for part in self._generations(model, inputs, returns, chain, counters=engine_draft_len is not None):
             if part.tokens or part.context_logits is not None:
                 yield part
 
-    async def stop(self, model: str, req: TextRequest) -> None:
-        """End `req`'s calls running in `model` (NVIDIA's stop request, by the calls' request id); they end early, with
-        the tokens they have."""
-        async for _ in self._responses(model, stop_inputs(), [], req.chain, "", collect=True):
-            pass
-
-    async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns, request_id: str,
-                           chain: str, collect: bool = False, counters: bool = False) -> AsyncIterator[Generation]:
+    async def _generations(self, model: str, inputs: dict[str, np.ndarray], returns: Returns, chain: str,
+                           collect: bool = False, counters: bool = False) -> AsyncIterator[Generation]:
         names = {"output_log_probs": returns.log_probs, "generation_logits": returns.generation_logits,
                  "context_logits": returns.context_logits,
                  "total_draft_tokens": counters, "total_accepted_draft_tokens": counters}
         outputs = ["output_ids", "sequence_length"] + [name for name, wanted in names.items() if wanted]
-        async for response in self._responses(model, inputs, outputs, request_id, chain, collect):
+        async for response in self._responses(model, inputs, outputs, chain, collect):
             arrays = response_outputs(response)
             if "output_ids" not in arrays:  # the empty final-flag response
                 continue

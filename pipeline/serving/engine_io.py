@@ -61,13 +61,6 @@ def engine_inputs(prompt_ids: list[int], max_new: int, req: TextRequest, seed: i
     return arrays
 
 
-def stop_inputs() -> dict[str, np.ndarray]:
-    """NVIDIA's stop request: `stop` true, sent with the request id of the calls to end (the other required inputs
-    empty); the model ends them with the tokens they have and answers with one empty final response."""
-    return {"input_ids": np.zeros((1, 1), dtype=np.int32), "input_lengths": np.zeros((1, 1), dtype=np.int32),
-            "request_output_len": np.zeros((1, 1), dtype=np.int32), "stop": np.array([[True]], dtype=bool)}
-
-
 def generation_from_arrays(arrays: dict[str, np.ndarray]) -> Generation:
     """One tensorrt_llm response (output_ids [1, 1, n], sequence_length, and the optional log-prob and logits
     outputs) as a Generation."""

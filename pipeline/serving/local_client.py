@@ -25,7 +25,6 @@ class LocalModelClient:
 
     def __init__(self, runners: dict[str, EngineRunner]):
         self.runners = runners
-        self.running: dict[tuple[str, str], set[str]] = {}  # (model, client request's chain) -> engine request ids
 
     async def generate(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest, seed: int | None,
                        draft_ids: list[int] | None = None, draft_logits: np.ndarray | None = None,
@@ -33,7 +32,7 @@ class LocalModelClient:
         """One non-streaming call."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, False, draft_ids, draft_logits, returns)
         chain = req.call_chain(prompt_ids, max_new)
-        return join_generations([part async for part in self._generations(model, inputs, req.chain, chain)])
+        return join_generations([part async for part in self._generations(model, inputs, chain)])
 
     async def stream(self, model: str, prompt_ids: list[int], max_new: int, req: TextRequest,
                      seed: int | None, returns: Returns = Returns(),
@@ -41,39 +40,24 @@ class LocalModelClient:
         """One streaming call (streaming=False: one response with all of the call's tokens)."""
         inputs = engine_inputs(prompt_ids, max_new, req, seed, streaming, None, None, returns, engine_draft_len)
         chain = req.call_chain(prompt_ids, max_new)
-        async for part in self._generations(model, inputs, req.chain, chain):
+        async for part in self._generations(model, inputs, chain):
             if part.tokens or part.context_logits is not None:
                 yield part
 
-    async def stop(self, model: str, req: TextRequest) -> None:
-        """End `req`'s calls running in `model`, as the server's stop request does: they end early, with the tokens
-        they have."""
-        for engine_id in list(self.running.get((model, req.chain), ())):
-            self.runners[model].cancel(engine_id)
-
-    async def _generations(self, model: str, inputs: dict[str, np.ndarray], caller: str,
-                           chain: str) -> AsyncIterator[Generation]:
-        """The engine's outputs, rendered and read back through the tensorrt_llm arrays as in the server; caller: the
-        client request's chain, by which `stop` finds the call; chain: the one the call continues
-        (TextRequest.call_chain), which the runner regathers by."""
+    async def _generations(self, model: str, inputs: dict[str, np.ndarray], chain: str) -> AsyncIterator[Generation]:
+        """The engine's outputs, rendered and read back through the tensorrt_llm arrays as in the server; chain: the
+        call's (TextRequest.call_chain), which the runner regathers by."""
         runner = self.runners[model]
         request, options = engine_request(inputs, uuid.uuid4().hex, True, runner.engine.model.vocab_size)
         builder = ResponseBuilder(request.prompt_ids, options)
         queue = runner.submit(request, chain=chain)
-        self.running.setdefault((model, caller), set()).add(request.request_id)
         loop = asyncio.get_running_loop()
-        try:
-            while True:
-                out = await loop.run_in_executor(None, queue.get)
-                if out.error:
-                    raise ModelError(f"{model}: {out.error}")
-                arrays = builder.add(out)
-                if arrays is not None:
-                    yield generation_from_arrays(arrays)
-                if out.finished:
-                    return
-        finally:
-            running = self.running.get((model, caller), set())
-            running.discard(request.request_id)
-            if not running:
-                self.running.pop((model, caller), None)
+        while True:
+            out = await loop.run_in_executor(None, queue.get)
+            if out.error:
+                raise ModelError(f"{model}: {out.error}")
+            arrays = builder.add(out)
+            if arrays is not None:
+                yield generation_from_arrays(arrays)
+            if out.finished:
+                return

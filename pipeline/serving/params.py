@@ -236,8 +236,8 @@ class TextRequest:
     return_log_probs: bool = False  # the target's log-probability of each generated token
     return_generation_logits: bool = False  # the target's raw logits for each generated token
     return_context_logits: bool = False  # the target's raw logits for each prompt position
-    # the chain its calls to the engine models form, one a client request: every call's request id (a stop request
-    # names it), and the chain a call that may be continued names (`call_chain`: EngineRunner regathers by it)
+    # the chain its calls to the engine models form, one a client request (`call_chain`; a request parameter:
+    # EngineRunner regathers a chain's calls)
     chain: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False)
 
     def call_chain(self, prompt_ids: list[int], max_new: int) -> str:
