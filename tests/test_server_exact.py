@@ -21,8 +21,7 @@ from pipeline.limits import PLAIN_CHUNK_TOKENS
 from pipeline.names import ACCEPTED_TOKENS_METRIC, DRAFT_TOKENS_METRIC, ROUNDS_METRIC, TARGET_MODEL
 from pipeline.spec import load_spec
 from specbuild.toolchains.reference import run_reference
-from clients.client import TritonClient
-from tests.test_server_faults import LONG, settled_steps
+from tests.test_server_faults import LONG, leave_after_three, settled_steps
 from tests.test_server_faults import request as fault_request
 from tests.test_server_sampling import bls_request, engine_request, output_ids
 from tests.test_server_triton import final_value, joined_text, stream_requests
@@ -107,14 +106,8 @@ def test_a_client_that_leaves_stops_the_engines_own_lookup_within_one_call(exact
     leaves, the engine's steps stop within about the call under way (each step emits at least one token), counted
     from idle to idle as in test_server_faults."""
     before = settled_steps(exact_server.metrics_url)
-    client = TritonClient(exact_server.grpc_url, model="ensemble", timeout_s=60)
-    stream = client.stream(fault_request(summarize_prompts(derived_pair[0])[0], LONG, 5))
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
+    leave_after_three(exact_server.grpc_url, fault_request(summarize_prompts(derived_pair[0])[0], LONG, 5))
     after = settled_steps(exact_server.metrics_url)
-    client.close()
     assert after[TARGET_MODEL] - before[TARGET_MODEL] <= 2 * (PLAIN_CHUNK_TOKENS + 1)
 
 

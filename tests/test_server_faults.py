@@ -66,6 +66,17 @@ def request(prompt: str, max_tokens: int, k: int, **sampling) -> GenerateRequest
                            sampling=SamplingParams(**{"temperature": 0.0, **sampling}))
 
 
+def leave_after_three(url: str, req: GenerateRequest, protocol: str = "grpc", model: str = "ensemble") -> None:
+    """Stream `req` and leave after its third response: the gRPC call is cancelled / the HTTP connection closed."""
+    client = TritonClient(url, protocol=protocol, model=model, timeout_s=60)
+    stream = client.stream(req)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    client.close()
+
+
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize("k", [0, K])
@@ -75,14 +86,8 @@ def test_a_client_that_leaves_stops_engine_work(triton_server, model, protocol, 
     (they are sent while an engine works at most every METRICS_FLUSH_S, and whenever it goes idle)."""
     url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
     before = settled_steps(triton_server.metrics_url)
-    client = TritonClient(url, protocol=protocol, model=model, timeout_s=60)
-    stream = client.stream(request(prompts(1)[0], LONG, k))
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()  # leaves: the gRPC call is cancelled / the HTTP connection closed
+    leave_after_three(url, request(prompts(1)[0], LONG, k), protocol, model)
     after = settled_steps(triton_server.metrics_url)
-    client.close()
     target = after["tensorrt_llm"] - before["tensorrt_llm"]
     draft = after.get("tensorrt_llm_draft", 0) - before.get("tensorrt_llm_draft", 0)
     # The chunk under way when the third response arrived and one more finish (or the rounds of the responses read,
@@ -303,13 +308,7 @@ def test_a_server_stops_within_seconds_after_concurrent_streams(tmp_path_factory
         assert [r[0] for r in results] == ["ok"] * len(texts), results
         for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
             for _ in range(2):
-                client = TritonClient(url, protocol=protocol, timeout_s=60)
-                stream = client.stream(request(texts[0], LONG, 0))
-                for i, _ in enumerate(stream):
-                    if i == 2:
-                        break
-                stream.close()  # leaves mid-way
-                client.close()
+                leave_after_three(url, request(texts[0], LONG, 0), protocol)
         start = time.monotonic()
         server.stop()
         stopped = time.monotonic() - start

@@ -592,19 +592,19 @@ class WeightStream {
   bool prefetch(int64_t phase, int64_t thread, int64_t threads) {
     const int64_t g = next_[phase], ranges = SharedItems::ranges_for(threads);
     if (g == int64_t(gemms_.size()) || thread >= ranges) return false;
-    const at::Tensor& w = *gemms_[g].weight;
-    const int64_t groups = w.size(0), group_bytes = int64_t(w.nbytes()) / groups;
-    const int64_t first = SharedItems::range_begin(groups, thread, ranges) * group_bytes;
-    const int64_t end = SharedItems::range_begin(groups, thread + 1, ranges) * group_bytes;  // the range's end
-    const int64_t last = std::min(first + AHEAD / ranges, end);
     Cursor& cursor = cursors_[thread];
-    if (cursor.gemm != g) cursor = {g, first};
+    if (cursor.gemm != g) {  // the thread's range of this GEMM, worked out once
+      const at::Tensor& w = *gemms_[g].weight;
+      const int64_t groups = w.size(0), group_bytes = int64_t(w.nbytes()) / groups;
+      const int64_t first = SharedItems::range_begin(groups, thread, ranges) * group_bytes;
+      const int64_t end = SharedItems::range_begin(groups, thread + 1, ranges) * group_bytes;
+      cursor = {g, first, std::min(first + AHEAD / ranges, end), static_cast<const char*>(w.data_ptr())};
+    }
     const int64_t at = cursor.at;
-    if (at >= last) return false;
+    if (at >= cursor.last) return false;
     cursor.at += CHUNK;
 #if defined(__x86_64__) || defined(__i386__)
-    const char* bytes = static_cast<const char*>(w.data_ptr());
-    for (int64_t b = at; b < std::min(at + CHUNK, last); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T1);
+    for (int64_t b = at; b < std::min(at + CHUNK, cursor.last); b += 64) _mm_prefetch(cursor.bytes + b, _MM_HINT_T1);
 #endif
     return true;
   }
@@ -615,7 +615,8 @@ class WeightStream {
     int64_t phase;
   };
   struct alignas(64) Cursor {  // one thread's, on a cache line of its own
-    int64_t gemm = -1, at = 0;  // the GEMM it prefetches for, the next byte
+    int64_t gemm = -1, at = 0, last = 0;  // the GEMM it prefetches for, the next byte, the byte it stops at
+    const char* bytes = nullptr;          // the GEMM's weight
   };
   std::vector<Gemm> gemms_;    // in phase order
   std::vector<int64_t> next_;  // phase -> the first GEMM of a later phase
