@@ -68,13 +68,12 @@ def request(prompt: str, max_tokens: int, k: int, **sampling) -> GenerateRequest
 
 def leave_after_three(url: str, req: GenerateRequest, protocol: str = "grpc", model: str = "ensemble") -> None:
     """Stream `req` and leave after its third response: the gRPC call is cancelled / the HTTP connection closed."""
-    client = TritonClient(url, protocol=protocol, model=model, timeout_s=60)
-    stream = client.stream(req)
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
-    client.close()
+    with TritonClient(url, protocol=protocol, model=model, timeout_s=60) as client:  # closed even if the stream fails
+        stream = client.stream(req)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
