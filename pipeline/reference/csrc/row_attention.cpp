@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "row_items.h"
 #include "shared_items.h"
 
 namespace {
@@ -37,7 +38,6 @@ namespace {
 
 constexpr int LANES = 16;
 constexpr int MAX_HEAD_SIZE = 256;
-constexpr int64_t ROWS_PER_ITEM = 16;  // rows of one sequence per work item (a verify's rows: one item)  // the transposed keys' scratch: [MAX_HEAD_SIZE][16] floats
 
 // 2^f for |f| <= 1/2 by its Taylor polynomial of degree 7, Horner's order: ln(2)^k / k!, k = 7 .. 0
 constexpr float EXP2_TAYLOR[8] = {1.5252733804059840e-5f, 1.5403530393381609e-4f, 1.3333558146428443e-3f,
@@ -402,63 +402,24 @@ static void check_cache(const at::Tensor& k, const at::Tensor& v, const char* op
               && k.is_contiguous() && v.is_contiguous(), op, ": k and v must be float32 [slots, kv_heads, head_size], contiguous");
 }
 
-// One call of the row attention: its inputs checked, and its work items. An item is up to ROWS_PER_ITEM consecutive
-// rows with the same start (a sequence's new tokens) times one KV head (or part of its query heads, below); an
-// item's pairs share their key and value loads. A prefill's rows split into many items, so its score scratch stays
-// in the cache, a row computes no scores past its own keys' block, and every thread gets work.
-struct Call {
-  at::Tensor q, k, v, slots, starts, lengths;
-  int64_t R, H, D, KVH, group;
+// A layer's cache k, v checked (`check_cache`), passed through.
+static const at::Tensor& checked_cache(const at::Tensor& k, const at::Tensor& v, const char* op) {
+  check_cache(k, v, op);
+  return k;
+}
+
+// One call of the row attention: its inputs checked, and its work items (row_items.h).
+struct Call : RowItems {
+  at::Tensor k, v;
   double scale;
-  std::vector<int64_t> first;  // first row of each row group, then R
-  std::vector<int64_t> order;  // the items, longest keys first (a prefill's later rows cost more)
-  int64_t parts, heads_per_part, per_group, items;
 
   // q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
   // slots[starts[r] : starts[r] + lengths[r]] (int64); the items planned for `threads` threads.
   Call(at::Tensor q_, at::Tensor k_, at::Tensor v_, at::Tensor slots_, at::Tensor starts_, at::Tensor lengths_,
        double scale_, int64_t threads)
-      : q(q_.contiguous()), k(k_), v(v_), slots(slots_.contiguous()), starts(starts_.contiguous()),
-        lengths(lengths_.contiguous()), scale(scale_) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3,
-                "row_attention: q must be float32 [rows, heads, head_size]");
-    check_cache(k, v, "row_attention");
-    TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong
-                && lengths.scalar_type() == at::kLong, "row_attention: slots, starts and lengths must be int64");
-    R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-    TORCH_CHECK(k.size(2) == D && D % LANES == 0 && D <= MAX_HEAD_SIZE, "row_attention: head_size ", D,
-                " must match the cache and be a multiple of 16, at most 256");
-    TORCH_CHECK(H % KVH == 0, "row_attention: ", H, " query heads over ", KVH, " KV heads");
-    TORCH_CHECK(starts.numel() == R && lengths.numel() == R, "row_attention: one start and one length per row");
-    group = H / KVH;
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    const int64_t* st = starts.data_ptr<int64_t>();
-    const int64_t* ln = lengths.data_ptr<int64_t>();
-    for (int64_t i = 0; i < slots.numel(); ++i)
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "row_attention: slot ", sp[i], " is not in the cache");
-    for (int64_t r = 0; r < R; ++r)
-      TORCH_CHECK(ln[r] > 0 && st[r] >= 0 && st[r] + ln[r] <= slots.numel(), "row_attention: row ", r,
-                  "'s keys are out of range");
-    for (int64_t r = 0; r < R; ++r)
-      if (r == 0 || st[r] != st[r - 1] || r - first.back() == ROWS_PER_ITEM) first.push_back(r);
-    first.push_back(R);
-    // A verify of one or two sequences gives fewer items than twice the threads (SmolLM2: 3 KV heads on 2 threads,
-    // one thread idle a third of the time): then a KV head's query heads split into parts, each an item. A part
-    // re-reads its KV head's keys, which paid for verify rows and not for a single row (docs/benchmarks.md); a pair's
-    // result does not depend on the other pairs of its item, so the bits stay.
-    const int64_t row_groups = int64_t(first.size()) - 1;
-    const int64_t wanted = row_groups * KVH >= 2 * threads || R == row_groups ? 1
-                           : std::min(group, (2 * threads + row_groups * KVH - 1) / (row_groups * KVH));
-    heads_per_part = (group + wanted - 1) / wanted, parts = (group + heads_per_part - 1) / heads_per_part;
-    per_group = KVH * parts;  // items per row group
-    items = row_groups * per_group;
-    // handed out one at a time, longest keys first: which thread computes a row never changes its bits
-    order.resize(items);
-    for (int64_t u = 0; u < items; ++u) order[u] = u;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return ln[first[a / per_group + 1] - 1] > ln[first[b / per_group + 1] - 1];
-    });
-  }
+      : RowItems(q_, checked_cache(k_, v_, "row_attention").size(1), k_.size(2), k_.size(0), slots_, starts_,
+                 lengths_, threads, "row_attention"),
+        k(k_), v(v_), scale(scale_) {}
 
   // Compute items into out [R, H * D] until none is left, each taken from `items` (shared by every thread working on
   // this call).
@@ -475,13 +436,12 @@ struct Call {
     std::vector<float*> os;
     std::vector<int64_t> lens;
     shared.take(items, 1, [&](int64_t i, int64_t) {
-      const int64_t u = order[i], gi = u / per_group, g = u % per_group / parts, part = u % parts;
-      const int64_t h0 = g * group + part * heads_per_part, h1 = std::min((g + 1) * group, h0 + heads_per_part);
+      const Item it = item(i);
       qs.clear(), os.clear(), lens.clear();
       int64_t longest_here = 0;
-      for (int64_t r = first[gi]; r < first[gi + 1]; ++r) {
+      for (int64_t r = it.row_begin; r < it.row_end; ++r) {
         longest_here = std::max(longest_here, ln[r]);
-        for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t h = it.h0; h < it.h1; ++h) {
           qs.push_back(qp + (r * H + h) * D);
           os.push_back(op + (r * H + h) * D);
           lens.push_back(ln[r]);
@@ -489,8 +449,8 @@ struct Call {
       }
       const int64_t s_stride = (longest_here + LANES - 1) / LANES * LANES;
       scores.resize(qs.size() * s_stride);
-      kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + g * D, vp + g * D, sp + st[first[gi]],
-              KVH * D, D, float(scale), scores.data(), s_stride, kt);
+      kv_head(int64_t(qs.size()), qs.data(), lens.data(), os.data(), kp + it.kv_head * D, vp + it.kv_head * D,
+              sp + st[it.row_begin], KVH * D, D, float(scale), scores.data(), s_stride, kt);
     });
   }
 };
