@@ -17,12 +17,13 @@ sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step,
 step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
 count (--threads) and layer mode (--modes: eager op by op; compiled, the int8_sq layers' small ops
 fused by inductor, pipeline/reference/compiled.py; fused, as the engine runs them: the compiled layers with the
-forwards on the row attention kernel as one C++ call, pipeline/reference/fused_layers.py); then one decode step per
-engine and mode under
-torch.profiler: the linear kernels' time against every other op's, and the number of torch ops.
+forwards on the row attention kernel as one C++ call, pipeline/reference/fused_layers.py) and KV cache (--kv-caches:
+float32, bf16: KVCache kv_dtype "BF16" on its own attention kernel; --context sets the cached tokens); then one
+decode step per engine and mode under torch.profiler: the linear kernels' time against every other op's, and the
+number of torch ops.
 
     python -m pipeline.apps.bench_kernels [--reps 7] [--only int8,fp32] [--threads 1,2] [--modes eager,compiled,fused]
-        [--engines out/default/engines/target ...]
+        [--engines out/default/engines/target ...] [--kv-caches float32,bf16] [--context 128]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.apps.host import cpu_summary
-from pipeline.reference import int8_grid_gemm
+from pipeline.reference import int8_grid_gemm, row_attention
 from pipeline.reference.checkpoint import quantize_int8
 from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, Float16Weights, Int8PerToken,
                                       Int8WeightOnly, ScreenedOutputLayer, bf16_gemm, scale_rows, screen_gemm,
@@ -46,6 +47,7 @@ from pipeline.reference.linear import (GRID_STEP, GRID_ZERO_POINT, DenseLinear, 
 
 HIDDEN, INTER, VOCAB, QKV, LAYERS = 576, 1536, 49152, 960, 30
 ROWS = (1, 2, 4, 6, 8, 16)
+KV_DTYPES = {"float32": None, "bf16": "BF16"}  # --kv-caches -> KVCache kv_dtype
 
 
 def smollm2_shapes(layers: int = LAYERS) -> list[tuple[int, int]]:
@@ -267,7 +269,7 @@ def output_layer_variants(model, names: list[str]) -> dict:
 
 def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_modes: list[str],
                 output_layers: list[str], tokenizer_dir: str | None = None, context: int = 128, new: int = 6,
-                batch: int = 8) -> None:
+                batch: int = 8, kv_caches: tuple[str, ...] = ("float32",)) -> None:
     """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, one decode step of `batch` sequences (contexts
@@ -279,7 +281,8 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     (compiled.CompiledLayers: the ops between the int8 GEMMs fused by inductor; int8_sq engines only) and "fused"
     (the compiled layers plus fused_layers.FusedInt8Layers for forwards on the row attention kernel, as the engine
     runs them), timed alternately in the same repeats; so are the output layers of 16-bit output layers (`output_layers`:
-    "screened", ScreenedOutputLayer, "fp16", Float16Weights). Then, per engine and mode, where one decode step goes
+    "screened", ScreenedOutputLayer, "fp16", Float16Weights), and the KV caches (`kv_caches`: "float32", "bf16":
+    KVCache kv_dtype "BF16", each variant over its own cache). Then, per engine and mode, where one decode step goes
     (torch.profiler): the linear kernels against everything else, and the number of torch ops.
     """
     from pipeline.reference import compiled, fused_layers
@@ -305,15 +308,17 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
                     continue
             else:
                 continue
-            variants.update({(d, mode, out): (layers, head) for out, head in heads.items()})
+            variants.update({(d, mode, out, cache): (layers, head) for out, head in heads.items() for cache in kv_caches})
     lengths = [context * k // 8 for k in (8, 6, 9, 7, 10, 8, 5, 8)][:batch]  # the in-flight sequences' contexts
     ids = context_ids(tokenizer_dir, max(lengths) + new)
     per_seq = -(-(max(lengths) + new) // 32)  # blocks per sequence
-    caches = {}
+    caches = {}  # (engine, KV cache) -> its prefilled cache
     for d, model in models.items():
-        kv = model.new_kv_cache(per_seq * batch, 32)
-        model([SequenceInput(ids[:n], 0, list(range(j * per_seq, (j + 1) * per_seq))) for j, n in enumerate(lengths)], kv)
-        caches[d] = kv
+        for cache in kv_caches:
+            kv = model.new_kv_cache(per_seq * batch, 32, KV_DTYPES[cache])
+            model([SequenceInput(ids[:n], 0, list(range(j * per_seq, (j + 1) * per_seq))) for j, n in enumerate(lengths)],
+                  kv)
+            caches[d, cache] = kv
 
     def seqs(d, n, b):
         """b sequences bringing n new tokens each (logits for every new token); n = "prompt": the first sequence's
@@ -331,57 +336,59 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
         bandwidth.append(bandwidth_gbs(buffer))  # evicts the caches: the case right after it runs cold
         for t in threads:
             torch.set_num_threads(t)
-            for (d, mode, out), (layers, head) in variants.items():
+            for (d, mode, out, cache), (layers, head) in variants.items():
                 model = models[d]
                 model.decode_threads = t  # the thread count small forwards run on (the model's default is 1)
                 (model.compiled_layers, model.fused_layers), model.lm_head_linear = layers, head
                 for n, b, invariant in cases[rep % len(cases):] + cases[:rep % len(cases)]:  # rotated: none always first
                     model.batch_invariant = invariant
                     start = time.perf_counter()
-                    model(seqs(d, n, b), caches[d])
-                    times[((d, mode, out), t, (n, b, invariant))].append(time.perf_counter() - start)
+                    model(seqs(d, n, b), caches[d, cache])
+                    times[((d, mode, out, cache), t, (n, b, invariant))].append(time.perf_counter() - start)
     bw = statistics.median(bandwidth)
     print(f"\nload average {os.getloadavg()[0]:.2f}; read bandwidth median {bw:.1f} GB/s; forwards after {context} cached "
           f"tokens ({batch} sequences: {min(lengths)}-{max(lengths)}), median of {reps}; exact = batch-invariant, "
           "batched = one masked SDPA per sequence")
-    print(f"| engine | layers | output layer | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
+    print(f"| engine | layers | output layer | KV cache | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
           f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | "
           f"{context}-token prompt exact | {context}-token prompt batched | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (d, mode, out), (_layers, head) in variants.items():
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (d, mode, out, cache), (_layers, head) in variants.items():
         model = models[d]
         model.lm_head_linear = head
         for t in threads:
-            medians = (statistics.median(times[((d, mode, out), t, case)]) for case in cases)
+            medians = (statistics.median(times[((d, mode, out, cache), t, case)]) for case in cases)
             one, one_b, many, many_b, wide, wide_b, prompt, prompt_b = medians
             floor = model.weight_bytes / bw / 1e9
-            print(f"| {d} | {mode} | {out} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
+            print(f"| {d} | {mode} | {out} | {cache} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
                   f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {prompt * 1000:.1f} ms | "
                   f"{prompt_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
     first = {}  # engine -> its first variant, the base of the per-repeat ratios
     for key in variants:
         first.setdefault(key[0], key)
-    for (d, mode, out) in variants:  # per-repeat ratios: all variants ran back to back in every repeat
-        base = first[d]
-        if (d, mode, out) != base:
+    for key in variants:  # per-repeat ratios: all variants ran back to back in every repeat
+        base = first[key[0]]
+        if key != base:
             for t in threads:
-                new, old = times[((d, mode, out), t, cases[0])], times[(base, t, cases[0])]
-                ratios = sorted(a / b for a, b in zip(new, old))
-                print(f"{d}, {t} thread(s): 1 token {mode} with {out} output / {base[1]} with {base[2]} output, per repeat: "
-                      f"median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}; best times "
-                      f"{min(new) * 1000:.1f} against {min(old) * 1000:.1f} ms")
+                for case, name in ((cases[0], "1 token"), (cases[2], f"{new} tokens")):
+                    ours, theirs = times[(key, t, case)], times[(base, t, case)]
+                    ratios = sorted(a / b for a, b in zip(ours, theirs))
+                    print(f"{key[0]}, {t} thread(s): {name} {key[1]} with {key[2]} output, {key[3]} KV / {base[1]} with "
+                          f"{base[2]} output, {base[3]} KV, per repeat: median {statistics.median(ratios):.2f}, range "
+                          f"{ratios[0]:.2f}-{ratios[-1]:.2f}; best times {min(ours) * 1000:.1f} against "
+                          f"{min(theirs) * 1000:.1f} ms")
     torch.set_num_threads(threads[0])
     print(f"\nOne decode step under torch.profiler ({threads[0]} thread(s)): linear kernels against everything else")
-    print("| engine | layers | output layer | torch ops (nested ones included) | linear kernels ms | other ops ms | "
+    print("| engine | layers | output layer | KV cache | torch ops (nested ones included) | linear kernels ms | other ops ms | "
           "kernels' read rate GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for (d, mode, out), (layers, head) in variants.items():
+    print("|---|---|---|---|---|---|---|---|")
+    for (d, mode, out, cache), (layers, head) in variants.items():
         model = models[d]
         model.decode_threads, model.lm_head_linear, model.batch_invariant = threads[0], head, True
         model.compiled_layers, model.fused_layers = layers
-        ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d])
-        print(f"| {d} | {mode} | {out} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
+        ops, kernels, total = step_profile(model, seqs(d, 1, 1)[0], caches[d, cache])
+        print(f"| {d} | {mode} | {out} | {cache} | {ops:.0f} | {kernels:.1f} | {total - kernels:.1f} | "
               f"{model.weight_bytes / kernels / 1e6:.1f} |", flush=True)
 
 
@@ -401,6 +408,8 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compiled,fused",
                         help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only), "
                              "fused (compiled + FusedInt8Layers, as the engine runs them)")
+    parser.add_argument("--kv-caches", default="float32,bf16" if row_attention.bf16_kernel() else "float32",
+                        help="part 2's KV caches: float32, bf16 (KVCache kv_dtype BF16; its kernel needs AVX512-BF16)")
     parser.add_argument("--context", type=int, default=128,
                         help="part 2's cached tokens before the timed forwards (8 in flight: 5/8 to 10/8 of it)")
     args = parser.parse_args()
@@ -414,7 +423,7 @@ def main() -> None:
             bench_kernels(wanted, args.reps, args.layers)
         if args.engines:
             bench_model(args.engines, args.reps, threads, args.modes.split(","), args.output_layers.split(","), args.tokenizer,
-                        args.context)
+                        args.context, kv_caches=tuple(args.kv_caches.split(",")))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeline.limits import EngineLimits
-from pipeline.reference import compiled, decode_threads, fused_layers, greedy_tokens
+from pipeline.reference import compiled, decode_threads, fused_layers, greedy_tokens, row_attention
 from pipeline.reference.kv_cache import BlockManager, OutOfBlocks, SequenceBlocks
 from pipeline.reference.linear import argmax_output_layer, draft_output_layer
 from pipeline.reference.model import LlamaModel, SequenceInput
@@ -39,6 +39,7 @@ from pipeline.sequences import find_stop
 from pipeline.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
+BF16_KV_CACHE_ENV = "REFERENCE_BF16_KV_CACHE"  # "1": EngineConfig.bf16_kv_cache
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]
@@ -96,6 +97,10 @@ class EngineConfig(EngineLimits):
 
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
+    # an unquantized KV cache in bf16 (kv_cache.py), attended on vdpbf16ps (row_attention_bf16) where the CPU has
+    # AVX512-BF16, else float32 (logged): half the bytes a step's attention reads; greedy texts move as with any
+    # rounding (perplexity: docs/engine.md). Off unless REFERENCE_BF16_KV_CACHE=1 (docs/benchmarks.md).
+    bf16_kv_cache: bool = field(default_factory=lambda: os.environ.get(BF16_KV_CACHE_ENV, "0") == "1")
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: forwards on the row attention kernel as one C++ call (fused_layers.py), the others with
     # the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md "Decode step"; not built where
@@ -180,6 +185,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.proposer = proposer
         model.batch_invariant = self.config.batch_invariant
+        self.kv_dtype = self._choose_kv_dtype()
         if self.config.compiled_layers and model.compiled_layers is None:
             if model.fused_layers is None and compiled.eligible(model) is None:
                 model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
@@ -189,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")
         num_blocks = self.config.num_blocks or self.config.blocks_needed()
-        self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.config.kv_cache_quant_algo)
+        self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.kv_dtype)
         decode_threads.choose(model, self.kv)  # before any request: it times forwards on the first blocks
         greedy_tokens.kernel()  # built (once per machine) or loaded now, not in a request's first step
         self.blocks = BlockManager(num_blocks, self.config.tokens_per_block)
@@ -199,6 +205,17 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (cancellations)
         self._proposer_errors_logged: set[type] = set()  # see _propose
 
+    def _choose_kv_dtype(self) -> str | None:
+        """The KV cache's kv_dtype: the engine's quantization, else "BF16" where bf16_kv_cache asks for it and its
+        attention kernel runs here, else None (float32)."""
+        if self.config.kv_cache_quant_algo is not None or not self.config.bf16_kv_cache:
+            return self.config.kv_cache_quant_algo
+        if row_attention.bf16_kernel() is None:
+            log.warning("%s=1 needs the bf16 row attention kernel (AVX512-BF16), which does not run here: the KV "
+                        "cache stays float32", BF16_KV_CACHE_ENV)
+            return None
+        return "BF16"
+
     def _fused_layers_run_every_forward(self) -> bool:
         """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
         fused int8 layers, or exact mode (every forward on the row attention kernel, model.forward), over an
@@ -206,7 +223,7 @@ class LLMEngine:
         layers, off that kernel)."""
         fused = self.model.fused_layers
         return (fused is not None and (self.config.batch_invariant or isinstance(fused, fused_layers.FusedInt8Layers))
-                and self.config.kv_cache_quant_algo is None
+                and self.kv_dtype in (None, "BF16")
                 and not (self.proposer is not None and self.proposer.needs_hidden_states))
 
     @classmethod

@@ -74,6 +74,7 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
+        self.attention_bf16 = "specdeploy::" + row_attention.op_name("write_and_attend", row_attention.BF16)
 
     @property
     def lm_head(self) -> BFloat16Weights | Float16Weights | DenseLinear | None:
@@ -92,7 +93,7 @@ class FusedDenseLayers:
         m = self.model
         return torch.ops.specdeploy.dense_layers(x, cos, sin, self.weights, kv.k, kv.v, plan.slots, *plan.row_keys,
                                                  m.final_norm, m.num_heads, m.num_kv_heads, m.eps, m.scale,
-                                                 self.attention, ONE_ROW_SPLIT_BYTES)
+                                                 attention_op(self, kv), ONE_ROW_SPLIT_BYTES)
 
     def greedy_chains(self, feeds: list[list[int]], cached: list[int], counts: list[int],
                       block_tables: list[list[int]], kv) -> list[list[int]]:
@@ -113,7 +114,7 @@ class FusedDenseLayers:
                 [t for feed in feeds for t in feed], [len(feed) for feed in feeds], cached, counts, blocks, bs, m.embed,
                 weight, bf16, fp16, torch.empty(0) if packed is None else packed, ONEDNN_ROWS.start,
                 ONEDNN_ROWS.stop - 1, m.rope_cos, m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm,
-                m.num_heads, m.num_kv_heads, m.eps, m.scale, self.attention, ONE_ROW_SPLIT_BYTES,
+                m.num_heads, m.num_kv_heads, m.eps, m.scale, attention_op(self, kv), ONE_ROW_SPLIT_BYTES,
                 "" if greedy_tokens.kernel() is None else "specdeploy::greedy_tokens")  # [B, max(counts)]
         return [row[:count] for row, count in zip(drafts.tolist(), counts)]
 
@@ -143,6 +144,7 @@ class FusedInt8Layers:
         op = "int8_grid_gemm_into" if kernel.isa is int8_grid_gemm.VNNI else "int8_grid_gemm_avx2_into"
         self.gemm = ("specdeploy::" + op, kernel.step, kernel.zero_point, kernel.amx_min_rows)
         self.attention = "specdeploy::" + row_attention.op_name("row_attention_into")
+        self.attention_bf16 = "specdeploy::" + row_attention.op_name("row_attention_into", row_attention.BF16)
 
     def chains(self, seqs, kv) -> torch.Tensor:
         """The decoder layers and final norm over the new tokens of `seqs` (model.SequenceInput chains, checked by the
@@ -159,8 +161,14 @@ class FusedInt8Layers:
             blocks += seq.block_table[:-(-(c + n) // bs)]
         return torch.ops.specdeploy.int8_sq_chains(tokens, counts, cached, blocks, bs, m.embed, m.rope_cos,
                                                    m.rope_signed_sin, self.weights, kv.k, kv.v, m.final_norm,
-                                                   m.num_heads, m.num_kv_heads, m.eps, m.scale, self.attention,
-                                                   *self.gemm)
+                                                   m.num_heads, m.num_kv_heads, m.eps, m.scale,
+                                                   attention_op(self, kv), *self.gemm)
+
+
+def attention_op(layers: "FusedDenseLayers | FusedInt8Layers", kv) -> str:
+    """The attention op `layers` call over KV cache `kv`: their `attention` (over float32; a revision's in
+    pipeline.apps.attention_ab) or, over a bf16 cache, their `attention_bf16`."""
+    return layers.attention_bf16 if kv.kv_dtype == "BF16" else layers.attention
 
 
 def build(model) -> FusedDenseLayers | FusedInt8Layers | None:

@@ -3,7 +3,10 @@
 Storage (`KVCache`): per layer a [num_blocks * block_size, kv_heads, head_size] tensor for K and
 one for V; token t of a sequence lives in slot block_table[t // block_size] * block_size +
 t % block_size. With kv_dtype "INT8" values are stored as int8 with one float scale per
-(slot, kv head) (symmetric, absmax / 127) and dequantized when gathered.
+(slot, kv head) (symmetric, absmax / 127) and dequantized when gathered. With kv_dtype "BF16" (the 16-bit cache
+TensorRT-LLM keeps for a bf16 model) they are rounded to bf16 (nearest even) and laid out for the bf16 row attention
+kernel (csrc/bf16_kv.h): slots in groups of 16, per group and KV head the keys as [D / 2][16][2] (two dims of 16
+keys side by side) and the values as [8][D][2] (two slots' values side by side); block_size a multiple of 16.
 
 Reuse (`BlockManager`): a full block is identified by a hash chained over the token prefix,
 hash(parent block's hash, this block's tokens), so equal hashes mean equal prefixes (up to 64-bit
@@ -35,21 +38,40 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, kv_dtype: str | None = None):
-        if kv_dtype not in (None, "INT8"):
+        if kv_dtype not in (None, "INT8", "BF16"):
             raise ValueError(f"kv_cache_quant_algo {kv_dtype!r} is not supported by the reference engine; use null or INT8")
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        if kv_dtype == "BF16" and (block_size % 16 or head_size % 2):
+            raise ValueError(f"a bf16 KV cache needs blocks of a multiple of 16 tokens and an even head size, not "
+                             f"{block_size} and {head_size}")
+        self.num_blocks, self.block_size, self.dtype, self.kv_dtype = num_blocks, block_size, dtype, kv_dtype
         self.quantized = kv_dtype == "INT8"
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_size)
-        store = torch.int8 if self.quantized else dtype
         # empty, not zeros: untouched pages cost no memory, and attention only ever gathers written slots
+        if kv_dtype == "BF16":
+            groups = num_blocks * block_size // 16
+            self.k = torch.empty(num_layers, groups, num_kv_heads, head_size // 2, 16, 2, dtype=torch.bfloat16)
+            self.v = torch.empty(num_layers, groups, num_kv_heads, 8, head_size, 2, dtype=torch.bfloat16)
+            return
+        store = torch.int8 if self.quantized else dtype
         self.k = torch.empty(shape, dtype=store)  # [layers, slots, KVH, D]
         self.v = torch.empty(shape, dtype=store)
         if self.quantized:
             self.k_scale = torch.empty(shape[:3] + (1,), dtype=torch.float32)  # [layers, slots, KVH, 1]
             self.v_scale = torch.empty(shape[:3] + (1,), dtype=torch.float32)
 
+    def _bf16_places(self, slots: torch.Tensor) -> tuple[tuple, tuple]:
+        """Index tuples of `slots` [S] into one layer's bf16 keys and values (after the layer index): keys[...] and
+        values[...] are [S, KVH, D / 2, 2] and [S, KVH, D]."""
+        group, place = slots // 16, slots % 16
+        return (group, slice(None), slice(None), place), (group, slice(None), place // 2, slice(None), place % 2)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, KVH, D] at `slots` [T]."""
+        if self.kv_dtype == "BF16":
+            key_at, value_at = self._bf16_places(slots)
+            self.k[layer][key_at] = k.to(torch.bfloat16).unflatten(-1, (-1, 2))
+            self.v[layer][value_at] = v.to(torch.bfloat16)
+            return
         # index_copy_ / index_select: advanced indexing (t[layer, slots]) is ~1000x slower on CPU under load
         if not self.quantized:
             self.k[layer].index_copy_(0, slots, k)
@@ -62,12 +84,24 @@ class KVCache:
 
     def clear(self, slots: torch.Tensor) -> None:
         """Zero K/V of every layer at `slots` [P] (padding keys attention reads masked: they must be finite)."""
-        if len(slots):
-            for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
-                t.index_fill_(1, slots, 0)
+        if not len(slots):
+            return
+        if self.kv_dtype == "BF16":
+            key_at, value_at = self._bf16_places(slots)
+            self.k[(slice(None),) + key_at] = 0
+            self.v[(slice(None),) + value_at] = 0
+            return
+        for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
+            t.index_fill_(1, slots, 0)
 
     def gather(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [S, KVH, D] of `slots` [S], in the compute dtype; a slice of consecutive slots reads views (no copy)."""
+        """K and V [S, KVH, D] of `slots` [S], in the compute dtype; a slice of consecutive slots reads views (no copy,
+        except from a bf16 cache)."""
+        if self.kv_dtype == "BF16":
+            if isinstance(slots, slice):
+                slots = torch.arange(slots.start, slots.stop)
+            key_at, value_at = self._bf16_places(slots)
+            return self.k[layer][key_at].flatten(-2).to(self.dtype), self.v[layer][value_at].to(self.dtype)
         if isinstance(slots, slice):
             k, v = self.k[layer, slots], self.v[layer, slots]
         else:
@@ -81,6 +115,11 @@ class KVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` [n] to `dst` [n] (compacts an accepted tree path)."""
+        if self.kv_dtype == "BF16":
+            (key_src, value_src), (key_dst, value_dst) = self._bf16_places(src), self._bf16_places(dst)
+            self.k[(slice(None),) + key_dst] = self.k[(slice(None),) + key_src]
+            self.v[(slice(None),) + value_dst] = self.v[(slice(None),) + value_src]
+            return
         for t in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
             t.index_copy_(1, dst, t.index_select(1, src))
 

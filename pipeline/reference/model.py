@@ -244,15 +244,15 @@ class LlamaModel(torch.nn.Module):
         speed only (decode_threads.choose)."""
         lm_head = self.lm_head_linear
         layers_on_kernels = self.compiled_layers is not None or isinstance(self.fused_layers, FusedInt8Layers)
-        return (layers_on_kernels and self.dtype == torch.float32 and not kv.quantized
-                and row_attention.kernel() is not None
+        return (layers_on_kernels and self.dtype == torch.float32 and row_attention.kernel_for(kv) is not None
                 and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
                 and all(layer[k].kernel is not None for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))
                 and (isinstance(lm_head, ScreenedOutputLayer)
                      or isinstance(lm_head, (Float16Weights, Int8PerToken)) and lm_head.kernel is not None))
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str | None = None) -> KVCache:
-        """A KV cache shaped for this model (kv_dtype "INT8" stores int8 values with per-token-head scales)."""
+        """A KV cache shaped for this model (kv_dtype "INT8" stores int8 values with per-token-head scales, "BF16"
+        bf16 values)."""
         return KVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_size, self.dtype, kv_dtype)
 
     @property
@@ -298,9 +298,9 @@ class LlamaModel(torch.nn.Module):
         """
         # exact mode runs every forward on the decode thread count: a row's sums never depend on the forward's size
         small = self.batch_invariant or sum(len(seq.token_ids) for seq in seqs) <= DECODE_ROWS
-        row_kernel = (self.dtype == torch.float32 and not kv.quantized and all(seq.parents is None for seq in seqs)
+        row_kernel = (self.dtype == torch.float32 and all(seq.parents is None for seq in seqs)
                       and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size)
-                      and row_attention.kernel() is not None)
+                      and row_attention.kernel_for(kv) is not None)
         # the fused int8 layers take every forward of chains, prompts too: a prefill 0.70-0.90x the time of the
         # compiled regions with SDPA (32-1024 tokens, docs/benchmarks.md)
         if (row_kernel and isinstance(self.fused_layers, FusedInt8Layers) and input_embeds is None
@@ -404,7 +404,8 @@ class LlamaModel(torch.nn.Module):
         """Store the new tokens' k, v [T, KVH, D] in the cache, then attention of every new token over its sequence's
         visible keys; q: [T, H, D] -> [T, H * D]. On the row attention kernel both are one call."""
         if plan.row_keys is not None:  # every row alone over its own keys: the project's kernel
-            return row_attention.write_and_attend(q, k, v, plan.slots, kv.k[layer], kv.v[layer], plan.row_keys, self.scale)
+            return row_attention.write_and_attend(q, k, v, plan.slots, kv.k[layer], kv.v[layer], plan.row_keys, self.scale,
+                                                  row_attention.kernel_for(kv))
         kv.write(layer, plan.slots, k, v)
         return self._attention(layer, q, kv, plan)
 

@@ -14,6 +14,9 @@ It runs where the CPU has AVX-512 or AVX2 (a second build of the same source, op
 float32 KV cache and the rows form chains (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Each
 build also registers `row_attention_into` (`_avx2`), which the fused int8_sq layers call from every thread of their
 team: each caller plans the same work items and takes them from shared counters (csrc/shared_items.h).
+Over a bf16 KV cache (KVCache's kv_dtype "BF16", an engine option) a third build attends where the CPU has
+AVX512-BF16 (csrc/row_attention_bf16.cpp, ops with the suffix _bf16): the same work items and the same guarantee,
+with vdpbf16ps over half the bytes (`kernel_for` picks the build for a cache).
 Numbers: docs/benchmarks.md.
 """
 
@@ -30,6 +33,10 @@ ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this ke
 AVX512 = cpp_ops.Build("row_attention", "row_attention", ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
                        torch.cpu._is_avx512_supported)
 AVX2 = cpp_ops.Build("row_attention_avx2", "row_attention", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported)
+# over a bf16 KV cache (KVCache kv_dtype "BF16"): csrc/row_attention_bf16.cpp, ops with the suffix _bf16
+BF16 = cpp_ops.Build("row_attention_bf16", "row_attention_bf16",
+                     ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+                     torch.cpu._is_avx512_bf16_supported)
 
 
 def switched_on() -> bool:
@@ -44,9 +51,26 @@ def kernel() -> cpp_ops.Build | None:
     return cpp_ops.first_build((AVX512, AVX2), ENV, "attention runs on SDPA")
 
 
+@functools.cache
+def bf16_kernel() -> cpp_ops.Build | None:
+    """The build over a bf16 KV cache (AVX512-BF16 CPUs), or None (REFERENCE_ROW_ATTENTION=0, another CPU, or the
+    build failed: logged once; attention over that cache then runs on SDPA)."""
+    return cpp_ops.first_build((BF16,), ENV, "attention over a bf16 KV cache runs on SDPA")
+
+
+def kernel_for(kv) -> cpp_ops.Build | None:
+    """The build that attends over KV cache `kv`: `kernel()` over float32, `bf16_kernel()` over bf16, None over INT8
+    (SDPA)."""
+    if kv.kv_dtype == "BF16":
+        return bf16_kernel()
+    return None if kv.quantized else kernel()
+
+
 def op_name(name: str, build: cpp_ops.Build | None = None) -> str:
-    """The name under which a build (default `kernel()`) registers op `name`: the AVX2 build adds the suffix _avx2."""
-    return name + ("_avx2" if (build or kernel()) is AVX2 else "")
+    """The name under which a build (default `kernel()`) registers op `name`: the AVX2 build adds the suffix _avx2,
+    the bf16 one _bf16."""
+    build = build or kernel()
+    return name + ("_avx2" if build is AVX2 else "_bf16" if build is BF16 else "")
 
 
 @functools.cache

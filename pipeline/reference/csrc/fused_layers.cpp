@@ -32,6 +32,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bf16_kv.h"
 #include "shared_items.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -687,9 +688,17 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
               "int8_sq_layers: ", INT8_TENSORS_PER_LAYER, " weights per layer of the caches k, v [layers, slots, KVH, D]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && cos.dim() == 3 && cos.size(0) == T
               && sin.sizes() == cos.sizes(), "int8_sq_layers: x must be float32 [T, hidden], cos and sin [T, 1, D]");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 4 && k.is_contiguous() && v.sizes() == k.sizes()
-              && v.scalar_type() == at::kFloat && v.is_contiguous() && k.size(2) == kv_heads && k.size(3) == D,
-              "int8_sq_layers: the caches k, v must be contiguous float32 [layers, slots, KVH, D]");
+  // a bf16 cache: csrc/bf16_kv.h's layout, k [layers, groups, KVH, D / 2, 16, 2], v [layers, groups, KVH, 8, D, 2]
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? k.dim() == 6 && v.scalar_type() == at::kBFloat16 && k.size(2) == kv_heads && 2 * k.size(3) == D
+                     && k.size(4) == 16 && v.dim() == 6 && v.size(1) == k.size(1) && v.size(2) == kv_heads
+                     && v.size(3) == 8 && v.size(4) == D
+                   : k.scalar_type() == at::kFloat && k.dim() == 4 && v.sizes() == k.sizes()
+                     && v.scalar_type() == at::kFloat && k.size(2) == kv_heads && k.size(3) == D,
+              "int8_sq_layers: the caches k, v must be contiguous float32 [layers, slots, KVH, D] or a bf16 cache "
+              "(csrc/bf16_kv.h)");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "int8_sq_layers: the caches k, v must be contiguous");
+  const int64_t num_slots = bf16 ? 16 * k.size(1) : k.size(1);
   for (int64_t l = 0; l < L; ++l)
     for (int64_t i = 0; i < 7; ++i) {
       const at::Tensor& w = weights[l * INT8_TENSORS_PER_LAYER + i];
@@ -706,7 +715,7 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
               "int8_sq_layers: new_slots must be int64 [T]");
   const int64_t* ns = new_slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
-    TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(1), "int8_sq_layers: slot ", ns[t], " is not in the cache");
+    TORCH_CHECK(ns[t] >= 0 && ns[t] < num_slots, "int8_sq_layers: slot ", ns[t], " is not in the cache");
   const auto attend = find_op(attention).typed<AttendIntoSignature>();
   const c10::OperatorHandle gemm_op = find_op(gemm);
   const Int8Gemm int8_gemm{gemm_op, gemm_op.schema().arguments().size() == 11, step, zero_point, amx_min_rows};
@@ -734,7 +743,10 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
   for (int64_t l = 0; l < L; ++l) k_layer.push_back(k.select(0, l)), v_layer.push_back(v.select(0, l));
   float *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float* attn_p = attn.data_ptr<float>();
-  const int64_t kv_row = kv_heads * D, slot_stride = k.size(1) * kv_row;
+  const int64_t kv_row = kv_heads * D, layer_size = k.numel() / L;  // elements of one layer's k (and v)
+  // a bf16 cache's new keys and values [T, 2, KVH, D] in float32, each stored (rounded) by its row's thread
+  const at::Tensor kv_new = at::empty({bf16 ? T * 2 * kv_row : 0}, x.options());
+  float* kv_new_p = kv_new.data_ptr<float>();
   WeightStream stream(weights, tickets.size(0));
   run_team([&](Team& team, int64_t threads) {
     int64_t phase = 0;
@@ -764,13 +776,21 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       const float *down_in = w[5].data_ptr<float>(), *bias = w[6].data_ptr<float>();
       // qkv: rescale, + bias, RoPE into q and the cache's new slots; row attention
       gemm(in_hidden, y_qkv);
-      float *k_l = k.data_ptr<float>() + l * slot_stride, *v_l = v.data_ptr<float>() + l * slot_stride;
       rows([&](int64_t t) {
         const float* y = y_qkv.data_ptr<float>() + t * qkv_width;
         float* row = qkv_p + t * qkv_width;
         rescale_add_row(y, sp[t], bias, qkv_width, row);
-        rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, k_l + ns[t] * kv_row,
-                 v_l + ns[t] * kv_row);
+        if (bf16) {
+          float* kv_t = kv_new_p + t * 2 * kv_row;
+          rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD, kv_t, kv_t + kv_row);
+          uint16_t* k_l = reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>()) + l * layer_size;
+          bf16_kv::store(k_l, reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()) + l * layer_size, ns[t],
+                         kv_heads, D, kv_t, kv_t + kv_row);
+        } else {
+          rope_row(row, cp + t * D, snp + t * D, heads, kv_heads, D, q_p + t * HD,
+                   k.data_ptr<float>() + l * layer_size + ns[t] * kv_row,
+                   v.data_ptr<float>() + l * layer_size + ns[t] * kv_row);
+        }
       });
       attend.call(q, k_layer[l], v_layer[l], slots, starts, lengths, scale, attn, tickets, phase, threads);  // [T, HD]
       next_phase();
