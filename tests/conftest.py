@@ -6,10 +6,14 @@ import pytest
 
 from pipeline.fixtures.toymodels import make_derived_pair, make_tiny_llama
 from pipeline.reference.compiled import ENV as COMPILED_LAYERS_ENV
+from pipeline.reference.engine import BF16_KV_CACHE_ENV
 
 # Engines (in-process and in the servers the tests start) run eager layers unless a test turns compiled
 # layers on: compiling them would add seconds to every engine load (tests/test_compiled.py covers them).
 os.environ.setdefault(COMPILED_LAYERS_ENV, "0")
+# ... and keep a float32 KV cache, whose logits the exactness tests compare with transformers' (tests/
+# test_bf16_kv_cache.py turns the bf16 cache on)
+os.environ.setdefault(BF16_KV_CACHE_ENV, "0")
 
 # Real-Triton fixtures (tiny_spec_engines, triton_server): one server per session.
 pytest_plugins = ["tests.triton_fixtures"]

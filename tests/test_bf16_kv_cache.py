@@ -1,4 +1,5 @@
-"""A bf16 KV cache (KVCache kv_dtype "BF16", the engine option bf16_kv_cache / REFERENCE_BF16_KV_CACHE=1).
+"""A bf16 KV cache (KVCache kv_dtype "BF16": the engine option bf16_kv_cache, on unless REFERENCE_BF16_KV_CACHE=0;
+the suite's engines keep float32 unless a test asks).
 
 The cache stores what torch's bf16 rounding gives, in the layout csrc/bf16_kv.h documents, and reads it back the
 same from Python (the SDPA path's gather) as the C++ stores it. Its row attention kernel (csrc/row_attention_bf16.cpp,
@@ -15,13 +16,14 @@ import pytest
 import torch
 
 from pipeline.reference import fused_layers, int8_grid_gemm, row_attention
-from pipeline.reference.engine import BF16_KV_CACHE_ENV, LLMEngine
+from pipeline.reference.engine import BF16_KV_CACHE_ENV, EngineConfig, LLMEngine
 from pipeline.reference.kv_cache import KVCache
+from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
 from pipeline.reference.model import LlamaModel, SequenceInput
 from pipeline.reference.proposers import NgramProposer
 from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the int8 engine builds, a fixture
-from tests.test_speculative import drive, prompts
+from tests.test_speculative import MEDUSA_CHOICES, drive, prompts, random_medusa_dir
 
 needs_bf16_kernel = pytest.mark.skipif(row_attention.bf16_kernel() is None,
                                        reason="the bf16 row attention kernel needs AVX512-BF16")
@@ -185,10 +187,20 @@ def test_speculative_greedy_equals_plain_greedy_over_a_bf16_cache(int8_engines):
 def test_the_option_keeps_float32_where_its_kernel_does_not_run(int8_engines, monkeypatch, caplog):  # noqa: F811
     monkeypatch.setenv(BF16_KV_CACHE_ENV, "1")
     monkeypatch.setattr(row_attention, "bf16_kernel", lambda: None)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         engine = LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128, max_input_len=64)
     assert engine.config.bf16_kv_cache and engine.kv.kv_dtype is None and engine.kv.k.dtype == torch.float32
-    assert f"{BF16_KV_CACHE_ENV}=1 needs the bf16 row attention kernel" in caplog.text
-    monkeypatch.delenv(BF16_KV_CACHE_ENV)
-    assert not LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128,
-                                         max_input_len=64).config.bf16_kv_cache  # off by default
+    assert f"{BF16_KV_CACHE_ENV}: the bf16 KV cache needs the bf16 row attention kernel" in caplog.text
+    monkeypatch.delenv(BF16_KV_CACHE_ENV)  # on by default (the suite sets it to 0)
+    assert LLMEngine.from_engine_dir(int8_engines["int8_sq"], max_batch_size=2, max_seq_len=128,
+                                     max_input_len=64).config.bf16_kv_cache
+
+
+@needs_fused_int8
+def test_engines_that_verify_trees_keep_a_float32_cache(int8_engines, tmp_path):  # noqa: F811
+    """Medusa's and EAGLE's trees gather their keys for SDPA, which the bf16 layout makes dearer: float32 there."""
+    model = LlamaModel.from_engine_dir(int8_engines["int8_sq"])
+    medusa = MedusaProposer(load_medusa_dir(random_medusa_dir(tmp_path / "medusa"), model.lm_head), MEDUSA_CHOICES)
+    config = EngineConfig(max_batch_size=2, max_seq_len=128, max_input_len=64, bf16_kv_cache=True)
+    assert LLMEngine(model, config, medusa).kv.kv_dtype is None
+    assert LLMEngine(model, config, NgramProposer(1, 3)).kv.kv_dtype == "BF16"

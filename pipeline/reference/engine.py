@@ -39,7 +39,7 @@ from pipeline.sequences import find_stop
 from pipeline.spec_stats import SpecStats
 
 log = logging.getLogger(__name__)
-BF16_KV_CACHE_ENV = "REFERENCE_BF16_KV_CACHE"  # "1": EngineConfig.bf16_kv_cache
+BF16_KV_CACHE_ENV = "REFERENCE_BF16_KV_CACHE"  # "0": a float32 KV cache (EngineConfig.bf16_kv_cache's default)
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStats", "LLMEngine", "Request", "RequestOutput",
            "SamplingParams", "SpecStats"]
@@ -97,10 +97,11 @@ class EngineConfig(EngineLimits):
 
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
-    # an unquantized KV cache in bf16 (kv_cache.py), attended on vdpbf16ps (row_attention_bf16) where the CPU has
-    # AVX512-BF16, else float32 (logged): half the bytes a step's attention reads; greedy texts move as with any
-    # rounding (perplexity: docs/engine.md). Off unless REFERENCE_BF16_KV_CACHE=1 (docs/benchmarks.md).
-    bf16_kv_cache: bool = field(default_factory=lambda: os.environ.get(BF16_KV_CACHE_ENV, "0") == "1")
+    # an unquantized KV cache in bf16 (kv_cache.py; TensorRT-LLM keeps a 16-bit model's in 16 bits), attended on
+    # vdpbf16ps (row_attention_bf16) where the CPU has AVX512-BF16, else float32 (logged): half the bytes a step's
+    # attention reads, a SmolLM2 step 4-17% faster after 128-1200 cached tokens; greedy texts move as with any
+    # rounding (perplexity: docs/engine.md). On unless REFERENCE_BF16_KV_CACHE=0 (the test suite's default).
+    bf16_kv_cache: bool = field(default_factory=lambda: os.environ.get(BF16_KV_CACHE_ENV, "1") != "0")
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: forwards on the row attention kernel as one C++ call (fused_layers.py), the others with
     # the ops between the int8 GEMMs compiled by inductor (compiled.py, docs/engine.md "Decode step"; not built where
@@ -206,13 +207,16 @@ class LLMEngine:
         self._proposer_errors_logged: set[type] = set()  # see _propose
 
     def _choose_kv_dtype(self) -> str | None:
-        """The KV cache's kv_dtype: the engine's quantization, else "BF16" where bf16_kv_cache asks for it and its
-        attention kernel runs here, else None (float32)."""
+        """The KV cache's kv_dtype: the engine's quantization, else "BF16" where bf16_kv_cache asks for it, its
+        attention kernel runs here and no proposer verifies trees (Medusa, EAGLE: their forwards gather the keys for
+        SDPA, which a bf16 cache's layout makes dearer), else None (float32)."""
         if self.config.kv_cache_quant_algo is not None or not self.config.bf16_kv_cache:
             return self.config.kv_cache_quant_algo
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            return None
         if row_attention.bf16_kernel() is None:
-            log.warning("%s=1 needs the bf16 row attention kernel (AVX512-BF16), which does not run here: the KV "
-                        "cache stays float32", BF16_KV_CACHE_ENV)
+            log.info("%s: the bf16 KV cache needs the bf16 row attention kernel (AVX512-BF16), which does not run "
+                        "here: the KV cache stays float32", BF16_KV_CACHE_ENV)
             return None
         return "BF16"
 

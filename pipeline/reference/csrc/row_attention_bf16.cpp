@@ -192,11 +192,14 @@ struct Call : RowItems {
     const int64_t* sp = slots.data_ptr<int64_t>();
     const int64_t* st = starts.data_ptr<int64_t>();
     const int64_t* ln = lengths.data_ptr<int64_t>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < ln[r]; ++j)
+    for (int64_t r = 0, end = 0; r < R; r = end) {  // each run of rows with one start: its longest row's keys
+      int64_t longest = 0;
+      for (end = r; end < R && st[end] == st[r]; ++end) longest = std::max(longest, ln[end]);
+      for (int64_t j = 0; j < longest; ++j)
         TORCH_CHECK(j % LANES == 0 ? sp[st[r] + j] % LANES == 0 : sp[st[r] + j] == sp[st[r] + j - 1] + 1, op,
                     ": row ", r, "'s keys must fill groups of 16 slots in order (a block table of blocks of a "
                     "multiple of 16 tokens); key ", j, " is slot ", sp[st[r] + j]);
+    }
   }
 
   // Compute items into out [R, H * D] until none is left, each taken from `shared`.
