@@ -294,14 +294,18 @@ def test_argmax_only_rows_take_the_int8_screen_and_greedy_tokens_stay(int8_engin
     assert LLMEngine.from_engine_dir(int8_engines["float16"]).model.argmax_layer is None
 
 
-def test_bench_kernels_times_each_output_layer(int8_engines, derived_pair, capsys):
+def test_bench_kernels_times_each_output_layer_and_kv_cache(int8_engines, derived_pair, capsys):
     from pipeline.apps.bench_kernels import bench_model
+    from pipeline.reference import row_attention
 
     engine = str(int8_engines["int8_sq"])
     outs = ["screened", "fp16"] if SCREEN else ["fp16"]
+    caches = ["float32", "bf16"] if row_attention.bf16_kernel() is not None else ["float32"]
     bench_model([engine], reps=1, threads=[1], layer_modes=["eager"], output_layers=outs,
-                tokenizer_dir=str(derived_pair[0]), context=32, new=3, batch=2)
+                tokenizer_dir=str(derived_pair[0]), context=32, new=3, batch=2, kv_caches=tuple(caches))
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {engine} | eager |")]
-    assert [r[2] for r in rows] == outs + outs  # the forwards table, then the profiler's, one row per output layer
-    assert all(r[3] == "1" and r[-1].endswith("% |") for r in rows[:len(outs)])  # 1 thread; a roofline share
-    assert all(r[-3].endswith(" ms") and r[-2].endswith(" ms") for r in rows[:len(outs)])  # the prompt, both modes
+    variants = [[out, cache] for out in outs for cache in caches]
+    assert [r[2:4] for r in rows] == variants + variants  # the forwards table, then the profiler's, one row each
+    rows = rows[:len(variants)]
+    assert all(r[4] == "1" and r[-1].endswith("% |") for r in rows)  # 1 thread; a roofline share
+    assert all(r[-3].endswith(" ms") and r[-2].endswith(" ms") for r in rows)  # the prompt, both modes
