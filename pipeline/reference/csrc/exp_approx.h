@@ -21,4 +21,16 @@ inline __m512 exp_ps(__m512 x) {
   for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
   return _mm512_scalef_ps(p, n);
 }
+#else  // AVX2
+
+// e^x on 8 lanes for x <= 0, as exp_ps: the same polynomial in f, times 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));  // n >= -126: a normal power of two
+}
 #endif  // __AVX512F__

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "exp_approx.h"
-#include "row_items.h"
 #include "shared_items.h"
+#include "row_items.h"
 
 namespace {
 
@@ -234,17 +234,6 @@ void kv_head(int64_t n, const float* const* q, const int64_t* len, float* const*
 
 #else  // AVX2
 
-// e^x on 8 lanes for x <= 0, as exp_ps above: the same polynomial in f, times 2^n built in the exponent bits.
-inline __m256 exp8(__m256 x) {
-  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
-  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));  // n >= -126: a normal power of two
-}
-
 // The 8 lanes' sum in one fixed tree: halves, then pairs, then the last two.
 inline float hsum8(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -401,9 +390,8 @@ struct Call : RowItems {
   // q float32 [R, H, D]; k, v: one layer's cache, float32 [slots, KVH, D]; row r attends over the keys at
   // slots[starts[r] : starts[r] + lengths[r]] (int64); the items planned for `threads` threads.
   Call(at::Tensor q_, at::Tensor k_, at::Tensor v_, at::Tensor slots_, at::Tensor starts_, at::Tensor lengths_,
-       double scale_, int64_t threads)
-      : RowItems(q_, checked_cache(k_, v_, "row_attention").size(1), k_.size(2), k_.size(0), slots_, starts_,
-                 lengths_, threads, "row_attention"),
+       double scale_, int64_t threads, const char* op)
+      : RowItems(q_, checked_cache(k_, v_, op).size(1), k_.size(2), k_.size(0), slots_, starts_, lengths_, threads, op),
         k(k_), v(v_), scale(scale_) {}
 
   // Compute items into out [R, H * D] until none is left, each taken from `items` (shared by every thread working on
@@ -444,26 +432,14 @@ struct Call : RowItems {
 // slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
 at::Tensor row_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                          at::Tensor lengths, double scale) {
-  const int64_t threads = at::get_num_threads();
-  const Call call(q, k, v, slots, starts, lengths, scale, threads);
-  auto out = at::empty({call.R, call.H * call.D}, call.q.options());
-  int64_t tickets[8] = {};  // this call's shared items (shared_items.h)
-  at::parallel_for(0, std::min<int64_t>(call.items, threads), 1,
-                   [&](int64_t, int64_t) { call.work(SharedItems{tickets}, out.data_ptr<float>()); });
-  return out;
+  return attend_rows<Call>(q, k, v, slots, starts, lengths, scale, "row_attention");
 }
 
-// row_attention into out [R, H * D] by the threads of a team of `threads` (csrc/fused_layers.cpp), each calling it
-// with the same arguments: every caller plans the same work items and takes them from the phase `phase` of `tickets`
-// (shared_items.h); a row's bits do not depend on which thread computes it.
+// row_attention into out [R, H * D] by the threads of a team (`attend_rows_into`).
 void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                         at::Tensor lengths, double scale, at::Tensor out, at::Tensor tickets, int64_t phase,
                         int64_t threads) {
-  const SharedItems items = SharedItems::of(tickets, phase, "row_attention_into");
-  if (items.exhausted()) return;  // the other threads took every item
-  const Call call(q, k, v, slots, starts, lengths, scale, threads);
-  SharedItems::check_output(out, call.R, call.H * call.D, "row_attention_into");
-  call.work(items, out.data_ptr<float>());
+  attend_rows_into<Call>(q, k, v, slots, starts, lengths, scale, out, tickets, phase, threads, "row_attention_into");
 }
 
 // The new tokens' keys and values k_new, v_new float32 [T, KVH, D] (each row contiguous, rows at any stride) stored

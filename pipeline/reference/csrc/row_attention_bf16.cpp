@@ -22,8 +22,8 @@
 
 #include "bf16_kv.h"
 #include "exp_approx.h"
-#include "row_items.h"
 #include "shared_items.h"
+#include "row_items.h"
 
 namespace {
 
@@ -247,24 +247,15 @@ struct Call : RowItems {
 // slots[starts[r] : starts[r] + lengths[r]] (int64). Query head h reads KV head h / (H / KVH). -> [R, H * D].
 at::Tensor row_attention_bf16(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                               at::Tensor lengths, double scale) {
-  const int64_t threads = at::get_num_threads();
-  const Call call(q, k, v, slots, starts, lengths, scale, threads, "row_attention_bf16");
-  auto out = at::empty({call.R, call.H * call.D}, call.q.options());
-  int64_t tickets[8] = {};  // this call's shared items (shared_items.h)
-  at::parallel_for(0, std::min<int64_t>(call.items, threads), 1,
-                   [&](int64_t, int64_t) { call.work(SharedItems{tickets}, out.data_ptr<float>()); });
-  return out;
+  return attend_rows<Call>(q, k, v, slots, starts, lengths, scale, "row_attention_bf16");
 }
 
-// row_attention_bf16 into out [R, H * D] by the threads of a team (as row_attention.cpp's row_attention_into).
+// row_attention_bf16 into out [R, H * D] by the threads of a team (`attend_rows_into`).
 void row_attention_into_bf16(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor starts,
                              at::Tensor lengths, double scale, at::Tensor out, at::Tensor tickets, int64_t phase,
                              int64_t threads) {
-  const SharedItems items = SharedItems::of(tickets, phase, "row_attention_into_bf16");
-  if (items.exhausted()) return;  // the other threads took every item
-  const Call call(q, k, v, slots, starts, lengths, scale, threads, "row_attention_into_bf16");
-  SharedItems::check_output(out, call.R, call.H * call.D, "row_attention_into_bf16");
-  call.work(items, out.data_ptr<float>());
+  attend_rows_into<Call>(q, k, v, slots, starts, lengths, scale, out, tickets, phase, threads,
+                         "row_attention_into_bf16");
 }
 
 // The new tokens' keys and values k_new, v_new float32 [T, KVH, D] (each row contiguous) stored at new_slots [T] of

@@ -1,6 +1,6 @@
 // The work items of one row attention call, for the kernels over a float32 cache (row_attention.cpp) and over a
 // bf16 one (row_attention_bf16.cpp): the same plan whatever the cache holds. cpp_ops inlines this file into the
-// sources that include it.
+// sources that include it, one level deep: they include shared_items.h first.
 //
 // An item is up to ROWS_PER_ITEM consecutive rows with the same start (a sequence's new tokens) times one KV head
 // (or part of its query heads, below); an item's pairs share their key and value loads. A prefill's rows split into
@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -79,3 +80,32 @@ struct RowItems {
     return {first[gi], first[gi + 1], g, h0, std::min((g + 1) * group, h0 + heads_per_part)};
   }
 };
+
+// The two entry points of a kernel whose Call (a RowItems with `work(items, out)`) is built from (q, k, v, slots,
+// starts, lengths, scale, threads, op): `op` names the caller in errors.
+// attend_rows: the call on torch's threads -> [R, H * D].
+template <typename Call>
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                       const at::Tensor& starts, const at::Tensor& lengths, double scale, const char* op) {
+  const int64_t threads = at::get_num_threads();
+  const Call call(q, k, v, slots, starts, lengths, scale, threads, op);
+  const at::Tensor out = at::empty({call.R, call.H * call.D}, call.q.options());
+  int64_t tickets[8] = {};  // this call's shared items (shared_items.h)
+  at::parallel_for(0, std::min<int64_t>(call.items, threads), 1,
+                   [&](int64_t, int64_t) { call.work(SharedItems{tickets}, out.data_ptr<float>()); });
+  return out;
+}
+
+// attend_rows_into: into out [R, H * D] by the threads of a team of `threads` (csrc/fused_layers.cpp), each calling
+// it with the same arguments: every caller plans the same work items and takes them from the phase `phase` of
+// `tickets` (shared_items.h); a row's bits do not depend on which thread computes it.
+template <typename Call>
+void attend_rows_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                      const at::Tensor& starts, const at::Tensor& lengths, double scale, const at::Tensor& out,
+                      const at::Tensor& tickets, int64_t phase, int64_t threads, const char* op) {
+  const SharedItems items = SharedItems::of(tickets, phase, op);
+  if (items.exhausted()) return;  // the other threads took every item
+  const Call call(q, k, v, slots, starts, lengths, scale, threads, op);
+  SharedItems::check_output(out, call.R, call.H * call.D, op);
+  call.work(items, out.data_ptr<float>());
+}
