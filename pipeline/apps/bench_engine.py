@@ -163,10 +163,11 @@ class Rates(NamedTuple):
     decode: float
 
 
-def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None) -> tuple[Rates, SpecStats]:
-    """Generate NEW_TOKENS for every prompt concurrently in one engine -> (its Rates, summed speculation stats)."""
+def run_ours(model: LlamaModel, prompts: list[list[int]], proposer=None, **config) -> tuple[Rates, SpecStats]:
+    """Generate NEW_TOKENS for every prompt concurrently in one engine -> (its Rates, summed speculation stats);
+    config: EngineConfig fields beside the limits (bf16_kv_cache)."""
     config = EngineConfig(max_batch_size=BATCH, max_draft_len=8, max_input_len=1024, max_seq_len=1400,
-                          num_blocks=BATCH * 48)  # 1536 tokens per request: the longest prompt + 128 + drafts
+                          num_blocks=BATCH * 48, **config)  # 1536 tokens per request: the longest prompt + 128 + drafts
     engine = LLMEngine(model, config, proposer)
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"r{i}", p, NEW_TOKENS))
