@@ -51,7 +51,7 @@ def main(checkpoint: str, engines: list[str]) -> None:
         reference = all_logits(LlamaModel.from_hf(checkpoint), ids).argmax(-1)
         for engine_dir in engines:
             engine = LLMEngine.from_engine_dir(engine_dir)
-            logits = all_logits(engine.model, ids, engine.kv_dtype)
+            logits = all_logits(engine.model, ids, engine.kv.kv_dtype)
             agreement = (logits.argmax(-1) == reference).float().mean().item()
             perplexity = F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
             algo = engine.model.config["quantization"]["quant_algo"] or "none"

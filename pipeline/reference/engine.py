@@ -186,17 +186,17 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.proposer = proposer
         model.batch_invariant = self.config.batch_invariant
-        self.kv_dtype = self._choose_kv_dtype()
+        kv_dtype = self._choose_kv_dtype()
         if self.config.compiled_layers and model.compiled_layers is None:
             if model.fused_layers is None and compiled.eligible(model) is None:
                 model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
-            if not self._fused_layers_run_every_forward():  # the regions take the others (3.7 s to load, 17 to compile)
+            if not self._fused_layers_run_every_forward(kv_dtype):  # the regions take the others (3.7 s to load, 17 to compile)
                 model.compiled_layers = compiled.build(model)  # None, saying why, where the model is not eligible
         if self.config.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.rope_cos.shape[0]}; build the engine with a smaller max_seq_len")
         num_blocks = self.config.num_blocks or self.config.blocks_needed()
-        self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, self.kv_dtype)
+        self.kv = model.new_kv_cache(num_blocks, self.config.tokens_per_block, kv_dtype)
         decode_threads.choose(model, self.kv)  # before any request: it times forwards on the first blocks
         greedy_tokens.kernel()  # built (once per machine) or loaded now, not in a request's first step
         self.blocks = BlockManager(num_blocks, self.config.tokens_per_block)
@@ -216,18 +216,18 @@ class LLMEngine:
             return None
         if row_attention.bf16_kernel() is None:
             log.info("%s: the bf16 KV cache needs the bf16 row attention kernel (AVX512-BF16), which does not run "
-                        "here: the KV cache stays float32", BF16_KV_CACHE_ENV)
+                     "here: the KV cache stays float32", BF16_KV_CACHE_ENV)
             return None
         return "BF16"
 
-    def _fused_layers_run_every_forward(self) -> bool:
+    def _fused_layers_run_every_forward(self, kv_dtype: str | None) -> bool:
         """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
         fused int8 layers, or exact mode (every forward on the row attention kernel, model.forward), over an
-        unquantized KV cache, with no proposer that reads hidden states (Medusa and EAGLE verify trees and capture
+        unquantized KV cache (`kv_dtype`: the cache's to be, float32 or bf16), with no proposer that reads hidden states (Medusa and EAGLE verify trees and capture
         layers, off that kernel)."""
         fused = self.model.fused_layers
         return (fused is not None and (self.config.batch_invariant or isinstance(fused, fused_layers.FusedInt8Layers))
-                and self.kv_dtype in (None, "BF16")
+                and kv_dtype != "INT8"
                 and not (self.proposer is not None and self.proposer.needs_hidden_states))
 
     @classmethod

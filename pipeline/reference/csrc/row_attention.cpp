@@ -447,20 +447,13 @@ void row_attention_into(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor slo
 at::Tensor write_and_attend(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor new_slots, at::Tensor k,
                             at::Tensor v, at::Tensor slots, at::Tensor starts, at::Tensor lengths, double scale) {
   check_cache(k, v, "write_and_attend");
+  new_slots = checked_new_tokens(k_new, v_new, new_slots, k.size(1), k.size(2), k.size(0), "write_and_attend");
   const int64_t T = new_slots.numel(), row = k.size(1) * k.size(2);
-  for (const at::Tensor& x : {k_new, v_new})
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == T && x.size(1) == k.size(1)
-                && x.size(2) == k.size(2) && x.stride(2) == 1 && x.stride(1) == k.size(2),
-                "write_and_attend: k_new and v_new must be float32 [new_slots, kv_heads, head_size], each row contiguous");
-  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1, "write_and_attend: new_slots must be int64 [T]");
-  new_slots = new_slots.contiguous();
   const int64_t* ns = new_slots.data_ptr<int64_t>();
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   const float* knp = k_new.data_ptr<float>();
   const float* vnp = v_new.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
-    TORCH_CHECK(ns[t] >= 0 && ns[t] < k.size(0), "write_and_attend: slot ", ns[t], " is not in the cache");
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(kp + ns[t] * row, knp + t * k_new.stride(0), row * sizeof(float));
     std::memcpy(vp + ns[t] * row, vnp + t * v_new.stride(0), row * sizeof(float));

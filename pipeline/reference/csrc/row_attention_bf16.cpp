@@ -263,17 +263,10 @@ void row_attention_into_bf16(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
 at::Tensor write_and_attend_bf16(at::Tensor q, at::Tensor k_new, at::Tensor v_new, at::Tensor new_slots, at::Tensor k,
                                  at::Tensor v, at::Tensor slots, at::Tensor starts, at::Tensor lengths, double scale) {
   checked_cache(k, v, "write_and_attend_bf16");
-  const int64_t T = new_slots.numel(), KVH = k.size(1), D = 2 * k.size(2);
-  for (const at::Tensor& x : {k_new, v_new})
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == T && x.size(1) == KVH && x.size(2) == D
-                && x.stride(2) == 1 && x.stride(1) == D, "write_and_attend_bf16: k_new and v_new must be float32 "
-                "[new_slots, kv_heads, head_size], each row contiguous");
-  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1,
-              "write_and_attend_bf16: new_slots must be int64 [T]");
-  new_slots = new_slots.contiguous();
+  const int64_t KVH = k.size(1), D = 2 * k.size(2);
+  new_slots = checked_new_tokens(k_new, v_new, new_slots, KVH, D, 16 * k.size(0), "write_and_attend_bf16");
+  const int64_t T = new_slots.numel();
   const int64_t* ns = new_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)  // every slot checked before the cache changes
-    TORCH_CHECK(ns[t] >= 0 && ns[t] < 16 * k.size(0), "write_and_attend_bf16: slot ", ns[t], " is not in the cache");
   uint16_t* kp = reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>());
   uint16_t* vp = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
   for (int64_t t = 0; t < T; ++t)

@@ -1,5 +1,6 @@
-// The work items of one row attention call, for the kernels over a float32 cache (row_attention.cpp) and over a
-// bf16 one (row_attention_bf16.cpp): the same plan whatever the cache holds. cpp_ops inlines this file into the
+// The work items of one row attention call, its two entry points and write_and_attend's checks of the new tokens, for
+// the kernels over a float32 cache (row_attention.cpp) and over a bf16 one (row_attention_bf16.cpp): the same plan
+// whatever the cache holds. cpp_ops inlines this file into the
 // sources that include it, one level deep: they include shared_items.h first.
 //
 // An item is up to ROWS_PER_ITEM consecutive rows with the same start (a sequence's new tokens) times one KV head
@@ -108,4 +109,22 @@ void attend_rows_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const Call call(q, k, v, slots, starts, lengths, scale, threads, op);
   SharedItems::check_output(out, call.R, call.H * call.D, op);
   call.work(items, out.data_ptr<float>());
+}
+
+// write_and_attend's new tokens, checked before the cache changes: their keys and values k_new, v_new float32
+// [T, KVH, D] (each row contiguous, rows at any stride) and their slots new_slots int64 [T] in a cache of `num_slots`
+// slots. -> new_slots, contiguous.
+inline at::Tensor checked_new_tokens(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& new_slots,
+                                     int64_t KVH, int64_t D, int64_t num_slots, const char* op) {
+  const int64_t T = new_slots.numel();
+  for (const at::Tensor& x : {k_new, v_new})
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == T && x.size(1) == KVH && x.size(2) == D
+                && x.stride(2) == 1 && x.stride(1) == D, op, ": k_new and v_new must be float32 [new_slots, kv_heads, "
+                "head_size], each row contiguous");
+  TORCH_CHECK(new_slots.scalar_type() == at::kLong && new_slots.dim() == 1, op, ": new_slots must be int64 [T]");
+  at::Tensor slots = new_slots.contiguous();
+  const int64_t* ns = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ns[t] >= 0 && ns[t] < num_slots, op, ": slot ", ns[t], " is not in the cache");
+  return slots;
 }
