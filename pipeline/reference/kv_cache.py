@@ -129,6 +129,12 @@ class KVCache:
         tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def describe(self) -> str:
+        """One line for a server's log: what the cache stores, its blocks and its bytes."""
+        kind = {"INT8": "int8", "BF16": "bf16"}.get(self.kv_dtype, str(self.dtype).removeprefix("torch."))
+        return (f"{kind} KV cache, {self.num_blocks} blocks of {self.block_size} tokens "
+                f"({self.nbytes / 2**20:.0f} MiB)")
+
 
 class OutOfBlocks(RuntimeError):
     """No free or evictable block is left."""

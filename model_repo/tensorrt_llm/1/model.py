@@ -47,6 +47,7 @@ class TritonPythonModel:
             self.engine.on_speculated = spec.speculated
         self.engine.on_decode_threads = lambda threads: pb_utils.Logger.log_info(
             f"{args['model_name']}: small forwards on {threads} thread(s), chosen before the first step")
+        pb_utils.Logger.log_info(f"{args['model_name']}: {self.engine.kv.describe()}")
         self.vocab_size = self.engine.model.vocab_size
         self.runner = EngineRunner(self.engine, regather_s=REGATHER_S)
         self.running: dict[str, set[str]] = {}  # Triton request id -> engine request ids, for `stop`
