@@ -192,13 +192,18 @@ struct Call : RowItems {
     const int64_t* sp = slots.data_ptr<int64_t>();
     const int64_t* st = starts.data_ptr<int64_t>();
     const int64_t* ln = lengths.data_ptr<int64_t>();
-    for (int64_t r = 0, end = 0; r < R; r = end) {  // each run of rows with one start: its longest row's keys
+    // each run of rows with one start: its longest row's keys, a group of 16 at a time, by the group's first and
+    // last slot (every thread of a fused forward's team plans the call: this runs once a layer on each)
+    for (int64_t r = 0, end = 0; r < R; r = end) {
       int64_t longest = 0;
       for (end = r; end < R && st[end] == st[r]; ++end) longest = std::max(longest, ln[end]);
-      for (int64_t j = 0; j < longest; ++j)
-        TORCH_CHECK(j % LANES == 0 ? sp[st[r] + j] % LANES == 0 : sp[st[r] + j] == sp[st[r] + j - 1] + 1, op,
-                    ": row ", r, "'s keys must fill groups of 16 slots in order (a block table of blocks of a "
-                    "multiple of 16 tokens); key ", j, " is slot ", sp[st[r] + j]);
+      for (int64_t j = 0; j < longest; j += LANES) {
+        const int64_t* group = sp + st[r] + j;
+        const int64_t last = std::min<int64_t>(LANES, longest - j) - 1;
+        TORCH_CHECK(group[0] % LANES == 0 && group[last] == group[0] + last, op, ": row ", r, "'s keys must fill "
+                    "groups of 16 slots in order (a block table of blocks of a multiple of 16 tokens); keys ", j,
+                    "-", j + last, " are slots ", group[0], "-", group[last]);
+      }
     }
   }
 
