@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from pipeline.reference import fused_layers, int8_grid_gemm, row_attention
+from pipeline.reference import fused_layers, int8_grid_gemm, row_attention, step_cost
 from pipeline.reference.engine import BF16_KV_CACHE_ENV, EngineConfig, LLMEngine
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
@@ -204,3 +204,25 @@ def test_engines_that_verify_trees_keep_a_float32_cache(int8_engines, tmp_path):
     config = EngineConfig(max_batch_size=2, max_seq_len=128, max_input_len=64, bf16_kv_cache=True)
     assert LLMEngine(model, config, medusa).kv.kv_dtype is None
     assert LLMEngine(model, config, NgramProposer(1, 3)).kv.kv_dtype == "BF16"
+
+
+@needs_fused_int8
+def test_the_repositorys_step_costs_are_timed_over_the_served_engines_bf16_cache(int8_engines, monkeypatch):  # noqa: F811
+    """The row costs and draft token costs `pipeline repo` writes price a served engine's steps: timed over a float32
+    cache, they priced extra rows against a plain step dearer than the served one by its float32 attention."""
+    monkeypatch.setenv(BF16_KV_CACHE_ENV, "1")
+    created = []
+    new_kv_cache = LlamaModel.new_kv_cache
+
+    def recording(model, *args):  # the real cache, its kv_dtype recorded
+        kv = new_kv_cache(model, *args)
+        created.append(kv.kv_dtype)
+        return kv
+
+    monkeypatch.setattr(LlamaModel, "new_kv_cache", recording)
+    (batch, costs), = step_cost.engine_row_costs(int8_engines["int8_sq"], (2,), 2)
+    assert batch == 2 and len(costs) == 5 and costs[0] == 1.0
+    assert created and set(created) == {"BF16"}  # the engine's own cache, then the timed forwards'
+    created.clear()
+    (k1,), = step_cost.engine_draft_token_costs(int8_engines["int8_sq"], None, (1,), (1,))
+    assert k1[0] == 1 and k1[1] >= 0 and created and set(created) == {"BF16"}

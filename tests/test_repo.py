@@ -101,7 +101,7 @@ def test_the_served_draft_engine_runs_its_output_layer_in_16_bits(reference_repo
     assert isinstance(draft.lm_head_linear, Float16Weights)
     # the draft's costs are timed on the model as served in that role
     from pipeline.reference import step_cost
-    timed = step_cost._served_model(params["tensorrt_llm_draft"]["gpt_model_path"], draft=True)
+    timed = step_cost._served_engine(params["tensorrt_llm_draft"]["gpt_model_path"], draft=True).model
     assert isinstance(timed.lm_head_linear, Float16Weights) and type(timed.argmax_layer) is type(draft.argmax_layer)
     assert isinstance(engines["tensorrt_llm"].model.lm_head_linear, DenseLinear)
     # greedy rows on that layer's int8 screen where it runs

@@ -58,7 +58,8 @@ def engine_code_digest(root: Path = Path(__file__).parent) -> str:
 
 
 def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int, ...], batch: int = 1,
-                     context: int = COST_CONTEXT, repeats: int = 20) -> tuple[float, ...]:
+                     context: int = COST_CONTEXT, repeats: int = 20,
+                     kv_dtypes: tuple[str | None, str | None] = (None, None)) -> tuple[float, ...]:
     """Cost of one draft token as a fraction of a plain step at each K of `ks`, for engines served apart (a draft
     engine's forwards, prompt lookup's verify rows): (verify(K + 1 rows) + K draft forwards - step) / (K * step).
 
@@ -72,16 +73,17 @@ def draft_token_cost(target: LlamaModel, draft: LlamaModel | None, ks: tuple[int
     threads' spinning; best rounds of separate forwards need not meet (docs/benchmarks.md has the spread of each).
     draft: the draft engine's model (it decodes step by step: K one-row forwards); None: prompt lookup (no draft
     forwards). A proposer inside the engine is timed by `in_engine_draft_token_cost`. Clipped at 0 (noise can time
-    K + 1 rows below one).
+    K + 1 rows below one). kv_dtypes: the target's and the draft's KV caches (`KVCache` kv_dtype; a served engine's
+    own, `_served_engine`).
     """
     for k in ks:
         _check(k, batch)
-    def call(model: LlamaModel, rows: int) -> Callable[[], object]:
-        return _forward_call(model, [rows] * batch, context, *_prefilled(model, batch, context, rows))
+    def call(model: LlamaModel, rows: int, kv_dtype: str | None) -> Callable[[], object]:
+        return _forward_call(model, [rows] * batch, context, *_prefilled(model, batch, context, rows, kv_dtype))
 
-    step = call(target, 1)
-    verifies = [call(target, k + 1) for k in ks]
-    draft_step = call(draft, 1) if draft is not None else None
+    step = call(target, 1, kv_dtypes[0])
+    verifies = [call(target, k + 1, kv_dtypes[0]) for k in ks]
+    draft_step = call(draft, 1, kv_dtypes[1]) if draft is not None else None
     costs = [[] for _ in ks]
     for _ in range(repeats):
         for k, verify, at_k in zip(ks, verifies, costs):  # this round's, back to back
@@ -141,7 +143,7 @@ def in_engine_draft_token_cost(target: LlamaModel, make_proposer: Callable[[], P
 
 
 def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, context: int = COST_CONTEXT,
-              repeats: int = 6) -> tuple[float, ...]:
+              repeats: int = 6, kv_dtype: str | None = None) -> tuple[float, ...]:
     """What a step at this running batch size costs with r draft rows, r = 0..max_rows, in plain steps of that batch
     (1.0 at r = 0): `batch` sequences of `context` cached tokens run one row each, and the r draft rows go round-robin
     over them. A step's GEMMs run its rows together, so its cost follows its row count, not whose rows they are; on
@@ -149,9 +151,11 @@ def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, con
     at 4 in flight, 300 cached tokens: 1, 0.97, 1.05, 1.28, 1.41, 1.63 for 0-5 draft rows; docs/benchmarks.md), which
     a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows from the last ones).
     Forwards back to back, every r in each of `repeats` rounds (the order reversed every other round); per r the
-    median round, made non-decreasing in r (noise can time more rows below fewer)."""
+    median round, made non-decreasing in r (noise can time more rows below fewer). kv_dtype: the KV cache's (`KVCache`
+    kv_dtype; a served engine's own, `_served_engine`): a bf16 cache makes a plain step's attention cheaper and so
+    every extra row dearer relative to it."""
     _check(1, batch)
-    kv, tables = _prefilled(model, batch, context, 1 + max_rows)
+    kv, tables = _prefilled(model, batch, context, 1 + max_rows, kv_dtype)
     steps = [_forward_call(model, [1 + r // batch + (i < r % batch) for i in range(batch)], context, kv, tables)
              for r in range(max_rows + 1)]  # r draft rows round-robin
     times = [[] for _ in steps]
@@ -173,11 +177,12 @@ def _check(k: int, batch: int) -> None:
         raise ValueError(f"batch must be >= 1 (got {batch}): the sequences each forward runs")
 
 
-def _prefilled(model: LlamaModel, batch: int, context: int, room: int) -> tuple[object, list[list[int]]]:
-    """(kv, block tables) of `batch` sequences of `context` cached tokens each, prefilled now (which also warms the
-    model up), with room for `room` more tokens each."""
+def _prefilled(model: LlamaModel, batch: int, context: int, room: int,
+               kv_dtype: str | None) -> tuple[object, list[list[int]]]:
+    """(kv, block tables) of `batch` sequences of `context` cached tokens each in a KV cache of `kv_dtype`, prefilled
+    now (which also warms the model up), with room for `room` more tokens each."""
     per_sequence = -(-(context + room) // TOKENS_PER_BLOCK)  # KV blocks of one sequence
-    kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK)
+    kv = model.new_kv_cache(batch * per_sequence, TOKENS_PER_BLOCK, kv_dtype)
     tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(batch)]
     model([SequenceInput([1] * context, 0, table) for table in tables], kv)
     return kv, tables
@@ -235,17 +240,19 @@ def engine_draft_token_costs(target_dir: str | Path, draft_dir: str | Path | Non
     forwards timed 0.19-0.33 of a step a draft token of K=5, engine steps 0.31-0.33, and served chat at concurrency 4
     paid about 0.28 (docs/benchmarks.md). Takes a few seconds per batch size for SmolLM2-sized engines.
     """
-    target = _served_model(target_dir)
+    target = _served_engine(target_dir)
     if lookup_in_engine:
         if draft_dir is not None:
             raise ValueError("lookup_in_engine times prompt lookup: give no draft engine")
         ids = random.Random(0)
-        by_batch = [in_engine_draft_token_cost(target, EveryStepDraft, ks, [
-            [ids.randrange(target.vocab_size) for _ in range(COST_CONTEXT)] for _ in range(batch)])
+        by_batch = [in_engine_draft_token_cost(target.model, EveryStepDraft, ks, [
+            [ids.randrange(target.model.vocab_size) for _ in range(COST_CONTEXT)] for _ in range(batch)])
             for batch in batches]  # [batch][k]
     else:
-        draft = _served_model(draft_dir, draft=True) if draft_dir is not None else None
-        by_batch = [draft_token_cost(target, draft, ks, batch=batch) for batch in batches]  # [batch][k]
+        draft = _served_engine(draft_dir, draft=True) if draft_dir is not None else None
+        kv_dtypes = (target.kv.kv_dtype, draft.kv.kv_dtype if draft is not None else None)
+        by_batch = [draft_token_cost(target.model, draft.model if draft is not None else None, ks, batch=batch,
+                                     kv_dtypes=kv_dtypes) for batch in batches]  # [batch][k]
     return tuple(tuple((batch, round(costs[i], 2)) for batch, costs in zip(batches, by_batch)) for i in range(len(ks)))
 
 
@@ -255,16 +262,18 @@ def engine_row_costs(target_dir: str | Path, batches: tuple[int, ...],
     0.01), ...) of a built target engine as served (its kernels, batch-invariant math, measured decode threads), for
     the row_cost parameter a target engine that runs prompt lookup gets when the repository is assembled. 2-6 s per
     batch size for SmolLM2's engine on the Zen3 host."""
-    target = _served_model(target_dir)
-    return tuple((batch, tuple(round(c, 2) for c in row_costs(target, batch,
-                                                               min(MAX_DRAFT_ROWS, batch * num_draft_tokens))))
+    target = _served_engine(target_dir)
+    return tuple((batch, tuple(round(c, 2) for c in row_costs(target.model, batch,
+                                                               min(MAX_DRAFT_ROWS, batch * num_draft_tokens),
+                                                               kv_dtype=target.kv.kv_dtype)))
                  for batch in batches)
 
 
-def _served_model(engine_dir: str | Path, draft: bool = False) -> LlamaModel:
-    """An engine's model as a served engine runs it: loaded by LLMEngine with batch-invariant math (the serving
-    default), so with its compiled or fused layers and its decode steps on the thread count the engine measured; a
-    draft engine in the role the repository gives it (`engine_role: draft`: its output layer in 16 bits)."""
+def _served_engine(engine_dir: str | Path, draft: bool = False):
+    """An engine as served (an LLMEngine; its model and its KV cache's kv_dtype are what the costs are timed on):
+    batch-invariant math (the serving default), so its compiled or fused layers, its decode steps on the thread count
+    it measured and the KV cache it chose (bf16 where that kernel runs); a draft engine in the role the repository
+    gives it (`engine_role: draft`: its output layer in 16 bits)."""
     from pipeline.reference.engine import LLMEngine
 
-    return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1, draft=draft).model
+    return LLMEngine.from_engine_dir(engine_dir, batch_invariant=True, max_batch_size=1, draft=draft)
