@@ -159,3 +159,30 @@ def test_a_team_thread_computes_the_groups_left_with_the_calls_bits(isa, amx_min
         gemm_into(kernel, x_unit, torch.empty_like(want), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="out must be contiguous float32"):
         gemm_into(kernel, x_unit, torch.empty(7, 199), torch.zeros(1, 8, dtype=torch.long))
+
+
+
+@KERNELS
+@pytest.mark.parametrize("rows", [24, 41])
+def test_a_team_thread_of_a_call_of_many_rows_computes_the_row_chunks_left_with_the_calls_bits(rows, isa,
+                                                                                             amx_min_rows):
+    """From 24 rows (csrc/shared_items.h, `splits_rows`; not where AMX tiles run) the team splits a call's rows, not
+    its channels: a caller takes the chunks of 12 rows that the other threads have not taken, every channel of them,
+    rounding only those rows, with the bits of the whole call."""
+    q, scale = random_weight(200, 96, seed=6)
+    kernel = packed(q, scale, isa, amx_min_rows)
+    x_unit = torch.rand(rows, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    want = kernel(x_unit)
+    chunks = -(-rows // 12)
+    if amx_min_rows:  # AMX tiles keep the channel split
+        out, tickets = torch.full_like(want, float("nan")), torch.zeros(1, 8, dtype=torch.long)
+        gemm_into(kernel, x_unit, out, tickets)
+        assert torch.equal(out, want) and tickets[0, 2].item() == kernel.packed.shape[0]
+        return
+    for taken in range(chunks + 1):
+        out, tickets = torch.full_like(want, float("nan")), torch.zeros(1, 8, dtype=torch.long)
+        tickets[0, 0] = taken  # one thread's call: its range is every chunk
+        gemm_into(kernel, x_unit, out, tickets)
+        assert out[:taken * 12].isnan().all()  # the rows another thread took
+        assert torch.equal(out[taken * 12:], want[taken * 12:])
+        assert tickets[0, 1].item() == chunks - taken and tickets[0, 2].item() == chunks  # finished, count

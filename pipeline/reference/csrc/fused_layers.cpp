@@ -769,7 +769,9 @@ at::Tensor int8_sq_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vec
       ++phase;
     };
     auto rows = [&](const auto& f) {  // f(t) for the rows this thread takes
-      SharedItems{tickets_p + phase * 8}.take(T, 1, [&](int64_t t, int64_t) { f(t); });
+      SharedItems{tickets_p + phase * 8}.take_rows(T, amx_min_rows, thread, threads, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) f(t);
+      });
       next_phase();
     };
     auto gemm = [&](const at::Tensor& input, const at::Tensor& y) {  // this phase's GEMM (`gemm_weight`)

@@ -234,8 +234,9 @@ at::Tensor grid_gemm(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Ten
 
 // grid_gemm into out [M, N] by the threads of a team (csrc/fused_layers.cpp), each calling it with the same
 // arguments: they take the output channel groups from the phase `phase` of `tickets` (shared_items.h, `take_ranges`:
-// each thread its own contiguous range first), each thread rounding the input itself before its first group. A
-// channel's result does not depend on which thread computes it.
+// each thread its own contiguous range first), each thread rounding the input itself before its first group; calls of
+// many rows split the rows instead (`SharedItems::splits_rows`: chunks of rows, each with every group, each thread
+// rounding only its own). A result does not depend on which thread computes it, nor with which rows (exact sums).
 void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                     double step, int64_t zero_point, int64_t amx_min_rows, at::Tensor out, at::Tensor tickets,
                     int64_t phase) {
@@ -243,6 +244,15 @@ void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tens
   const int64_t M = x.size(0), N = offset.size(0), Kp = packed.size(1) * 4, G = packed.size(0);
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
+  if (SharedItems::splits_rows(M, amx_min_rows)) {  // every group of the rows this thread takes, rounded by it alone
+    items.take_rows(M, amx_min_rows, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t m0, int64_t m1) {
+      const Rounded in = round_input(x.narrow(0, m0, m1 - m0), packed, offset, in_features, step, zero_point,
+                                     amx_min_rows);
+      gemm_groups(in.xq.data_ptr<uint8_t>(), m1 - m0, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                  multiplier.data_ptr<float>(), out.data_ptr<float>() + m0 * N, N, 0, G, in.amx);
+    });
+    return;
+  }
   const Rounded in = round_input(x, packed, offset, in_features, step, zero_point, amx_min_rows);
   items.take_ranges(G, 1, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t g0, int64_t g1) {
     gemm_groups(in.xq.data_ptr<uint8_t>(), M, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),

@@ -78,13 +78,22 @@ at::Tensor grid_gemm_avx2(at::Tensor x, at::Tensor packed, at::Tensor offset, at
 
 // grid_gemm_avx2 into out [M, N] by the threads of a team (csrc/fused_layers.cpp), each calling it with the same
 // arguments: they take the output channel groups, 16 chunks of them, from the phase `phase` of `tickets`
-// (shared_items.h), each thread rounding the input itself before its first chunk.
+// (shared_items.h), each thread rounding the input itself before its first chunk; calls of many rows split the rows
+// instead (`SharedItems::splits_rows`), as the VNNI build's.
 void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tensor multiplier, int64_t in_features,
                          double step, int64_t zero_point, at::Tensor out, at::Tensor tickets, int64_t phase) {
   const SharedItems items = SharedItems::of(tickets, phase, "grid_gemm_into");
   const int64_t M = x.size(0), N = offset.size(0), G = packed.size(0);
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
+  if (SharedItems::splits_rows(M, 0)) {  // every group of the rows this thread takes, rounded by it alone
+    items.take_rows(M, 0, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t m0, int64_t m1) {
+      const at::Tensor xs = round_input(x.narrow(0, m0, m1 - m0), packed, offset, in_features, step, zero_point);
+      gemm_groups(xs.data_ptr<int16_t>(), m1 - m0, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                  multiplier.data_ptr<float>(), out.data_ptr<float>() + m0 * N, N, 0, G);
+    });
+    return;
+  }
   const at::Tensor xs = round_input(x, packed, offset, in_features, step, zero_point);
   // 8-channel groups: a chunk of them per claim
   items.take_ranges(G, (G + 15) / 16, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t g0, int64_t g1) {

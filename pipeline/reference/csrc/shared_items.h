@@ -63,6 +63,25 @@ struct SharedItems {
     if (ranges > 1) __atomic_store_n(row + NEXT, count, __ATOMIC_RELAXED);  // every item taken: `exhausted`
   }
 
+  // f(begin, end) for the rows [begin, end) of a row phase of `rows` rows this thread takes: one row at a time where a
+  // team's GEMMs split their channels over the threads, ROW_CHUNK rows at a time, each thread its own contiguous
+  // range of chunks first (`take_ranges`), where they split their rows (`splits_rows`), so that a thread finds the
+  // rows it works on in its own cache: the rows a GEMM of its gave it, and those it gives the next one.
+  template <typename F>
+  void take_rows(int64_t rows, int64_t amx_min_rows, int64_t thread, int64_t threads, const F& f) const {
+    if (!splits_rows(rows, amx_min_rows)) return take(rows, 1, f);
+    take_ranges((rows + ROW_CHUNK - 1) / ROW_CHUNK, 1, thread, threads, [&](int64_t c0, int64_t c1) {
+      f(c0 * ROW_CHUNK, c1 * ROW_CHUNK < rows ? c1 * ROW_CHUNK : rows);
+    });
+  }
+
+  // Whether a team's int8 GEMMs of `rows` rows split them over the threads in chunks of ROW_CHUNK (each thread reads
+  // the whole weight for its rows: arithmetic, not the weight's bytes, bounds such a call), not their output channels,
+  // which left every row of the next row phase half in the other core's cache: a 326-token prompt 5-10% faster on AMD
+  // Zen4 (docs/benchmarks.md). Not where AMX tiles run (amx_min_rows > 0: 16-row tiles, not measured there).
+  static constexpr int64_t ROW_CHUNK = 12, SPLIT_ROWS_FROM = 24;
+  static bool splits_rows(int64_t rows, int64_t amx_min_rows) { return amx_min_rows == 0 && rows >= SPLIT_ROWS_FROM; }
+
   // How many ranges `take_ranges` splits a phase into for a team of `threads`; range r's first item of `count`.
   static int64_t ranges_for(int64_t threads) { return threads < 1 ? 1 : (threads < RANGES ? threads : RANGES); }
   static int64_t range_begin(int64_t count, int64_t r, int64_t ranges) { return count * r / ranges; }
