@@ -37,8 +37,12 @@ from pipeline.reference.proposers import Draft, ProposalInput, Proposer
 WARMUP_STEPS = 3
 # Steps of one engine in a row in each of in_engine_draft_token_cost's rounds; the first of them is not timed
 STEPS_PER_RUN = 4
-# Cached tokens of each sequence when engine_draft_token_costs times the engines (the traffic's are unknown then)
-COST_CONTEXT = 256
+# Cached tokens of each sequence when engine_draft_token_costs times the engines (the traffic's are unknown then):
+# prompt lookup's grounded prompts and their answers (make bench-engine's: 326-570 tokens) run longer than 256, at
+# which a plain step's attention was cheaper and every extra row dearer: timed at 256, the served policy with 8 in
+# flight drafted 1.2-1.7 tokens a forward and ran 1.07-1.09x plain, timed at 512 1.12-1.25x (2026-12-07 19:49-,
+# docs/benchmarks.md)
+COST_CONTEXT = 512
 # Draft rows a step's cost is timed for past its batch's one row each (`row_costs`): past a request's largest draft at
 # batch 1 (K = 5 on the default spec) and two of the AVX2 int8 GEMM's 6-row blocks at 4 in flight
 MAX_DRAFT_ROWS = 12
