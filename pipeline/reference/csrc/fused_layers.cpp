@@ -632,7 +632,8 @@ ROW_CLONES void rescale_add_row(const float* y, float s, const float* b, int64_t
 // A row r [n] -> o = a / s and s = max |a| (at least 1e-30), a = r * inv_smoother: the int8 GEMM's input row
 // (`scale_rows`). With norm: a = rms_norm(r) * inv_smoother. One loop per case and the divisor in a local: with the
 // branch inside one loop gcc kept the case without norm scalar, and dividing by *s (which may alias o) kept the
-// division scalar, 1-3 us a row, 10% of a 48-row verify (perf, Zen4).
+// division scalar (a 48-row verify 2-5% faster on Zen4). What a row still costs here is memory: its first read of
+// rows another core wrote, its stores to lines another core read (docs/benchmarks.md).
 ROW_CLONES void scale_row(const float* r, int64_t n, const float* norm, double eps, const float* inv_smoother, float* o,
                           float* s) {
   float top = 0.f;

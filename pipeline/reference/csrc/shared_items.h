@@ -77,8 +77,9 @@ struct SharedItems {
 
   // Whether a team's int8 GEMMs of `rows` rows split them over the threads in chunks of ROW_CHUNK (each thread reads
   // the whole weight for its rows: arithmetic, not the weight's bytes, bounds such a call), not their output channels,
-  // which left every row of the next row phase half in the other core's cache: a 326-token prompt 5-10% faster on AMD
-  // Zen4 (docs/benchmarks.md). Not where AMX tiles run (amx_min_rows > 0: 16-row tiles, not measured there).
+  // which left every row of the next row phase half in the other core's cache: on AMD Zen4 a 326-token prompt 3-8%
+  // faster, eight of them 7-9% (docs/benchmarks.md). Not where AMX tiles run (amx_min_rows > 0: its 16-row tiles
+  // were not measured so).
   static constexpr int64_t ROW_CHUNK = 12, SPLIT_ROWS_FROM = 24;
   static bool splits_rows(int64_t rows, int64_t amx_min_rows) { return amx_min_rows == 0 && rows >= SPLIT_ROWS_FROM; }
 
