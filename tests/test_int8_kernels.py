@@ -309,3 +309,5 @@ def test_bench_kernels_times_each_output_layer_and_kv_cache(int8_engines, derive
     rows = rows[:len(variants)]
     assert all(r[4] == "1" and r[-1].endswith("% |") for r in rows)  # 1 thread; a roofline share
     assert all(r[-3].endswith(" ms") and r[-2].endswith(" ms") for r in rows)  # the prompt, both modes
+    # the batch's verify (2 x 3 tokens): exact, its ratio to the batch's one-token step, batched
+    assert all(r[-6].endswith(" ms") and r[-5].endswith("x") and r[-4].endswith(" ms") for r in rows)

@@ -10,10 +10,10 @@ depends on them. For each kernel: whether it is batch-invariant (rows of a 6-row
 rows alone, bit for bit), which decides whether speculative verification can take all its rows in one
 call and stay exact.
 Part 2 (model, with --engines DIR ...): one forward of 1 and of 6 new tokens on a 128-token
-context, one decode step of 8 sequences in flight, and the 128-token prompt itself, through the reference model of
-each engine,
+context, one decode step of 8 sequences in flight, their verify of 6 tokens each (48 rows: the int8 GEMMs at the
+cores' arithmetic peak on AVX-512 hosts), and the 128-token prompt itself, through the reference model of each engine,
 batch-invariant (as serving and the exactness tests run it) and batched (one masked SDPA per
-sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step, and the plain decode
+sequence): the verify cost of K = 5 against a decode step, the 8-in-flight step and verify, and the plain decode
 step's share of the memory roofline (weight bytes / bandwidth of the same repeats), per torch thread
 count (--threads) and layer mode (--modes: eager op by op; compiled, the int8_sq layers' small ops
 fused by inductor, pipeline/reference/compiled.py; fused, as the engine runs them: the compiled layers with the
@@ -273,7 +273,7 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, one decode step of `batch` sequences (contexts
-    spread around `context`: 8 in flight) and the first sequence's prompt (`context` tokens), each batch-invariant
+    spread around `context`: 8 in flight), their verify of `new` tokens each and the first sequence's prompt (`context` tokens), each batch-invariant
     (every token its own SDPA batch element over aligned keys, as serving and the exactness tests run) and batched
     (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
@@ -328,7 +328,8 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
         return [SequenceInput(ids[lengths[j]:lengths[j] + n], lengths[j], list(range(j * per_seq, (j + 1) * per_seq)),
                               logits_rows=list(range(n))) for j in range(b)]
 
-    cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch), ("prompt", 1)) for invariant in (True, False)]
+    cases = [(n, b, invariant) for n, b in ((1, 1), (new, 1), (1, batch), (new, batch), ("prompt", 1))
+             for invariant in (True, False)]
     times = {(v, t, case): [] for v in variants for t in threads for case in cases}
     buffer = torch.ones(512 * 2**20 // 4)
     bandwidth = []
@@ -351,18 +352,20 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
           "batched = one masked SDPA per sequence")
     print(f"| engine | layers | output layer | KV cache | threads | weight MB | floor ms | 1 token exact | 1 token batched | {new} tokens exact | ratio | "
           f"{new} tokens batched | ratio | {batch} x 1 token exact | {batch} x 1 token batched | "
+          f"{batch} x {new} tokens exact | ratio to {batch} x 1 | {batch} x {new} tokens batched | "
           f"{context}-token prompt exact | {context}-token prompt batched | roofline share at 1 token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (d, mode, out, cache), (_layers, head) in variants.items():
         model = models[d]
         model.lm_head_linear = head
         for t in threads:
             medians = (statistics.median(times[((d, mode, out, cache), t, case)]) for case in cases)
-            one, one_b, many, many_b, wide, wide_b, prompt, prompt_b = medians
+            one, one_b, many, many_b, wide, wide_b, wide_many, wide_many_b, prompt, prompt_b = medians
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {mode} | {out} | {cache} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
-                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {prompt * 1000:.1f} ms | "
+                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {wide_many * 1000:.1f} ms | "
+                  f"{wide_many / wide:.2f}x | {wide_many_b * 1000:.1f} ms | {prompt * 1000:.1f} ms | "
                   f"{prompt_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
     first = {}  # engine -> its first variant, the base of the per-repeat ratios
     for key in variants:
