@@ -207,7 +207,7 @@ def test_engines_that_verify_trees_keep_a_float32_cache(int8_engines, tmp_path):
 
 
 @needs_fused_int8
-def test_the_repositorys_step_costs_are_timed_over_the_served_engines_bf16_cache(int8_engines, monkeypatch):  # noqa: F811
+def test_repository_step_costs_are_timed_over_the_served_bf16_cache(int8_engines, monkeypatch):  # noqa: F811
     """The row costs and draft token costs `pipeline repo` writes price a served engine's steps: timed over a float32
     cache, they priced extra rows against a plain step dearer than the served one by its float32 attention."""
     monkeypatch.setenv(BF16_KV_CACHE_ENV, "1")

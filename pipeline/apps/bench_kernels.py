@@ -273,8 +273,9 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
     """Part 2: forwards after about `context` cached tokens of text (`context_ids`), per engine, layer mode and thread count, in both attention modes.
 
     Times one decode step, a verify of `new` tokens, one decode step of `batch` sequences (contexts
-    spread around `context`: 8 in flight), their verify of `new` tokens each and the first sequence's prompt (`context` tokens), each batch-invariant
-    (every token its own SDPA batch element over aligned keys, as serving and the exactness tests run) and batched
+    spread around `context`: 8 in flight), their verify of `new` tokens each and the first sequence's prompt
+    (`context` tokens), each batch-invariant (every token its own SDPA batch element over aligned keys, as serving and
+    the exactness tests run) and batched
     (one masked SDPA per sequence);
     prints ms, the verify ratio and the plain step's share of the memory roofline (weight bytes / read
     bandwidth measured in the same repeats). Layer modes: "eager" (op by op), "compiled"
@@ -364,8 +365,9 @@ def bench_model(engine_dirs: list[str], reps: int, threads: list[int], layer_mod
             floor = model.weight_bytes / bw / 1e9
             print(f"| {d} | {mode} | {out} | {cache} | {t} | {model.weight_bytes / 1e6:.0f} | {floor * 1000:.1f} | {one * 1000:.1f} ms | "
                   f"{one_b * 1000:.1f} ms | {many * 1000:.1f} ms | {many / one:.2f}x | {many_b * 1000:.1f} ms | "
-                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | {wide_many * 1000:.1f} ms | "
-                  f"{wide_many / wide:.2f}x | {wide_many_b * 1000:.1f} ms | {prompt * 1000:.1f} ms | "
+                  f"{many_b / one_b:.2f}x | {wide * 1000:.1f} ms | {wide_b * 1000:.1f} ms | "
+                  f"{wide_many * 1000:.1f} ms | {wide_many / wide:.2f}x | {wide_many_b * 1000:.1f} ms | "
+                  f"{prompt * 1000:.1f} ms | "
                   f"{prompt_b * 1000:.1f} ms | {floor / one:.0%} |", flush=True)
     first = {}  # engine -> its first variant, the base of the per-repeat ratios
     for key in variants:

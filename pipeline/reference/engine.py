@@ -190,7 +190,8 @@ class LLMEngine:
         if self.config.compiled_layers and model.compiled_layers is None:
             if model.fused_layers is None and compiled.eligible(model) is None:
                 model.fused_layers = fused_layers.build(model)  # its forwards on the row attention kernel in one C++ call
-            if not self._fused_layers_run_every_forward(kv_dtype):  # the regions take the others (3.7 s to load, 17 to compile)
+            # the regions take the forwards the fused layers do not (3.7 s to load, 17 to compile)
+            if not self._fused_layers_run_every_forward(kv_dtype):
                 model.compiled_layers = compiled.build(model)  # None, saying why, where the model is not eligible
         if self.config.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} exceeds the model's max_position_embeddings "
@@ -223,8 +224,8 @@ class LLMEngine:
     def _fused_layers_run_every_forward(self, kv_dtype: str | None) -> bool:
         """Whether every forward of this engine runs on the fused layers, so compiled regions would never run: the
         fused int8 layers, or exact mode (every forward on the row attention kernel, model.forward), over an
-        unquantized KV cache (`kv_dtype`: the cache's to be, float32 or bf16), with no proposer that reads hidden states (Medusa and EAGLE verify trees and capture
-        layers, off that kernel)."""
+        unquantized KV cache (`kv_dtype`: the cache's to be, float32 or bf16), with no proposer that reads hidden
+        states (Medusa and EAGLE verify trees and capture layers, off that kernel)."""
         fused = self.model.fused_layers
         return (fused is not None and (self.config.batch_invariant or isinstance(fused, fused_layers.FusedInt8Layers))
                 and kv_dtype != "INT8"

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
+#include <vector>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -200,13 +201,20 @@ struct Rounded {
   bool amx;
 };
 
-Rounded round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features, double step,
-                    int64_t zero_point, int64_t amx_min_rows) {
+// One call's input checked: float32 [rows, in_features] for the packed weight -> contiguous.
+at::Tensor checked_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
+  const int64_t K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
   TORCH_CHECK(K == in_features && Kp >= K && packed.size(0) * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ",
               in_features);
+  return x;
+}
+
+Rounded round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features, double step,
+                    int64_t zero_point, int64_t amx_min_rows) {
+  x = checked_input(x, packed, offset, in_features);
+  const int64_t M = x.size(0), K = x.size(1), Kp = packed.size(1) * 4;
   const bool amx = amx_min_rows > 0 && M >= amx_min_rows && amx_permitted();
   const int64_t Mp = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;  // AMX reads whole 16-row tiles
   auto xq = at::empty({Mp, Kp}, x.options().dtype(at::kByte));
@@ -245,11 +253,13 @@ void grid_gemm_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at::Tens
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   if (SharedItems::splits_rows(M, amx_min_rows)) {  // every group of the rows this thread takes, rounded by it alone
+    const at::Tensor xc = checked_input(x, packed, offset, in_features);
+    const int64_t K = xc.size(1);
+    std::vector<uint8_t> xq(SharedItems::ROW_CHUNK * Kp);  // one chunk's rows on the grid, reused for each
     items.take_rows(M, amx_min_rows, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t m0, int64_t m1) {
-      const Rounded in = round_input(x.narrow(0, m0, m1 - m0), packed, offset, in_features, step, zero_point,
-                                     amx_min_rows);
-      gemm_groups(in.xq.data_ptr<uint8_t>(), m1 - m0, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
-                  multiplier.data_ptr<float>(), out.data_ptr<float>() + m0 * N, N, 0, G, in.amx);
+      round_on_grid(xc.data_ptr<float>() + m0 * K, m1 - m0, K, Kp, float(step), int32_t(zero_point), xq.data());
+      gemm_groups(xq.data(), m1 - m0, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+                  multiplier.data_ptr<float>(), out.data_ptr<float>() + m0 * N, N, 0, G, false);
     });
     return;
   }

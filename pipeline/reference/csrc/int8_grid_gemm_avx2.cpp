@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <vector>
 
 #include <omp.h>
 
@@ -45,16 +46,23 @@ void round_on_grid(const float* x, int64_t M, int64_t K, int64_t Kp, float step,
   }
 }
 
-// One call's input checked and rounded on the grid: int16 [M, Kp]
-at::Tensor round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features,
-                       double step, int64_t zero_point) {
+// One call's input checked: float32 [rows, in_features] for the packed weight -> contiguous.
+at::Tensor checked_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "grid_gemm: x must be float32 [rows, in]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == GROUP && packed.size(3) == 4, "grid_gemm: packed for groups of ",
               packed.size(2), " channels, this kernel takes ", GROUP);
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
+  const int64_t K = x.size(1), N = offset.size(0), Kp = packed.size(1) * 4;
   TORCH_CHECK(K == in_features && Kp >= K && packed.size(0) * GROUP >= N, "grid_gemm: x has ", K, " columns, the weight ",
               in_features);
+  return x;
+}
+
+// One call's input checked and rounded on the grid: int16 [M, Kp]
+at::Tensor round_input(at::Tensor x, const at::Tensor& packed, const at::Tensor& offset, int64_t in_features,
+                       double step, int64_t zero_point) {
+  x = checked_input(x, packed, offset, in_features);
+  const int64_t M = x.size(0), K = x.size(1), Kp = packed.size(1) * 4;
   auto xs = at::empty({M, Kp}, x.options().dtype(at::kShort));
   round_on_grid(x.data_ptr<float>(), M, K, Kp, float(step), int32_t(zero_point), xs.data_ptr<int16_t>());
   return xs;
@@ -87,9 +95,12 @@ void grid_gemm_avx2_into(at::Tensor x, at::Tensor packed, at::Tensor offset, at:
   SharedItems::check_output(out, M, N, "grid_gemm_into");
   if (items.exhausted()) return;  // the other threads took every group
   if (SharedItems::splits_rows(M, 0)) {  // every group of the rows this thread takes, rounded by it alone
+    const at::Tensor xc = checked_input(x, packed, offset, in_features);
+    const int64_t K = xc.size(1), Kp = packed.size(1) * 4;
+    std::vector<int16_t> xs(SharedItems::ROW_CHUNK * Kp);  // one chunk's rows on the grid, reused for each
     items.take_rows(M, 0, omp_get_thread_num(), omp_get_num_threads(), [&](int64_t m0, int64_t m1) {
-      const at::Tensor xs = round_input(x.narrow(0, m0, m1 - m0), packed, offset, in_features, step, zero_point);
-      gemm_groups(xs.data_ptr<int16_t>(), m1 - m0, xs.size(1), packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
+      round_on_grid(xc.data_ptr<float>() + m0 * K, m1 - m0, K, Kp, float(step), int32_t(zero_point), xs.data());
+      gemm_groups(xs.data(), m1 - m0, Kp, packed.data_ptr<int8_t>(), offset.data_ptr<int32_t>(),
                   multiplier.data_ptr<float>(), out.data_ptr<float>() + m0 * N, N, 0, G);
     });
     return;
