@@ -23,7 +23,6 @@ from pipeline.limits import TOKENS_PER_BLOCK
 from pipeline.reference import bf16_weight_gemm, fp16_weight_gemm, int8_screen
 from pipeline.reference.engine import Request
 from pipeline.reference.linear import DenseLinear, Float16Weights, argmax_output_layer
-from pipeline.reference.step_cost import MAX_DRAFT_ROWS
 from pipeline.serving.reference_adapter import load_serving_engine
 from pipeline.spec import load_spec
 from specbuild.plan import make_plan
@@ -396,25 +395,26 @@ def test_an_engine_running_prompt_lookup_gets_the_cost_per_batch_size(tiny_spec_
     """Where the engine applies the policy to a whole running batch, the cost of a draft token is measured at each
     batch size up to max_batch_for_speculation, in drafts of K and of one token, through the engine's steps (as it
     drafts there), and a step's cost per draft row count at every batch size from 2 up to the largest (1.0 with none,
-    never less with more); the engine's policy reads all three from its config."""
+    never less with more), for every draft row its requests can make (8 x 3 here: a cost past the timed rows is only
+    extrapolated); the engine's policy reads all three from its config."""
     from pipeline.repo.assemble import measured_draft_token_costs
     from pipeline.serving.reference_adapter import lookup_proposer
     from pipeline.spec import NgramSpec
 
     spec = tiny_spec_engines.spec
     spec = dataclasses.replace(spec, models=dataclasses.replace(spec.models, draft=None), speculative=dataclasses.replace(
-        spec.speculative, mode="ngram", ngram=NgramSpec(1, 3, 0.0), num_draft_tokens=3, max_batch_for_speculation=4,
+        spec.speculative, mode="ngram", ngram=NgramSpec(1, 3, 0.0), num_draft_tokens=3, max_batch_for_speculation=8,
         min_acceptance_rate=0.1))
     plan = make_plan(spec, "reference", inspection=tiny_spec_engines.plan.inspection)
     target, _ = engine_infos(plan)
     costs = measured_draft_token_costs(plan, target, None)
     for curve in (costs.at_k, costs.at_one):
-        assert [b for b, _ in curve] == [1, 2, 4] and all(c >= 0 for _, c in curve)
-    assert [b for b, _ in costs.rows] == [2, 3, 4]
+        assert [b for b, _ in curve] == [1, 2, 4, 8] and all(c >= 0 for _, c in curve)
+    assert [b for b, _ in costs.rows] == [2, 3, 4, 5, 6, 7, 8]
     for batch, row in costs.rows:  # up to the batch's drafts of K = 3
-        assert len(row) == min(3 * batch, MAX_DRAFT_ROWS) + 1 and row[0] == 1.0 and list(row) == sorted(row)
+        assert len(row) == 3 * batch + 1 and row[0] == 1.0 and list(row) == sorted(row)
     memo = json.loads((spec.out_dir / "draft_token_cost.json").read_text())
-    assert [k for k in memo if " ngram K=3,1 batches=1,2,4 " in k and k.endswith(" through engine steps")]
+    assert [k for k in memo if " ngram K=3,1 batches=1,2,4,8 " in k and k.endswith(" through engine steps")]
     engine = {m.name: m for m in repo_models(plan, target, None, costs)}["tensorrt_llm"]
     assert engine.parameters["draft_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_k)
     assert engine.parameters["one_token_cost"] == " ".join(f"{b}:{c}" for b, c in costs.at_one)

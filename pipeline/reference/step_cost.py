@@ -43,9 +43,12 @@ STEPS_PER_RUN = 4
 # flight drafted 1.2-1.7 tokens a forward and ran 1.07-1.09x plain, timed at 512 1.12-1.25x (2026-12-07 19:49-,
 # docs/benchmarks.md)
 COST_CONTEXT = 512
-# Draft rows a step's cost is timed for past its batch's one row each (`row_costs`): past a request's largest draft at
-# batch 1 (K = 5 on the default spec) and two of the AVX2 int8 GEMM's 6-row blocks at 4 in flight
-MAX_DRAFT_ROWS = 12
+# Draft rows a step's cost is timed for past its batch's one row each (`row_costs`), at most: every draft of 8 requests
+# in flight at K = 6. Up to 12 rows, the cap before, the mean cost of a row past them was priced from those 12
+# (PolicyProposer.fit_rows): at 8 in flight on Zen4 0.063 of a plain step a row where rows 13-40 cost 0.044, so the cut
+# kept 2.0 tokens a forward of prompt lookup's K=5 drafts where it keeps 2.9 over the measured rows (make bench-engine's
+# 8 in flight as served 1.08x -> 1.14x, decoding steps 1.19x -> 1.32x; 2026-12-07 21:34-, docs/benchmarks.md)
+MAX_DRAFT_ROWS = 48
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
 
@@ -153,7 +156,7 @@ def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, con
     over them. A step's GEMMs run its rows together, so its cost follows its row count, not whose rows they are; on
     AVX2 the int8 GEMM runs blocks of up to 6 rows, so the cost steps up where a block begins (SmolLM2's int8 engine
     at 4 in flight, 300 cached tokens: 1, 0.97, 1.05, 1.28, 1.41, 1.63 for 0-5 draft rows; docs/benchmarks.md), which
-    a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows from the last ones).
+    a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows at the measured rows' mean).
     Forwards back to back, every r in each of `repeats` rounds (the order reversed every other round); per r the
     median round, made non-decreasing in r (noise can time more rows below fewer). kv_dtype: the KV cache's (`KVCache`
     kv_dtype; a served engine's own, `_served_engine`): a bf16 cache makes a plain step's attention cheaper and so
@@ -264,8 +267,8 @@ def engine_row_costs(target_dir: str | Path, batches: tuple[int, ...],
                      num_draft_tokens: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
     """((batch, `row_costs` at that batch up to its requests' drafts of num_draft_tokens or MAX_DRAFT_ROWS, rounded to
     0.01), ...) of a built target engine as served (its kernels, batch-invariant math, measured decode threads), for
-    the row_cost parameter a target engine that runs prompt lookup gets when the repository is assembled. 2-6 s per
-    batch size for SmolLM2's engine on the Zen3 host."""
+    the row_cost parameter a target engine that runs prompt lookup gets when the repository is assembled. 47 s for
+    SmolLM2's engine at batches 2-8 and K=5 on the Zen4 host (13 s of it at 8 in flight's 40 rows)."""
     target = _served_engine(target_dir)
     return tuple((batch, tuple(round(c, 2) for c in row_costs(target.model, batch,
                                                                min(MAX_DRAFT_ROWS, batch * num_draft_tokens),
