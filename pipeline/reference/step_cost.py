@@ -46,8 +46,8 @@ COST_CONTEXT = 512
 # Draft rows a step's cost is timed for past its batch's one row each (`row_costs`), at most: every draft of 8 requests
 # in flight at K = 6. Up to 12 rows, the cap before, the mean cost of a row past them was priced from those 12
 # (PolicyProposer.fit_rows): at 8 in flight on Zen4 0.063 of a plain step a row where rows 13-40 cost 0.044, so the cut
-# kept 2.0 tokens a forward of prompt lookup's K=5 drafts where it keeps 2.9 over the measured rows (make bench-engine's
-# 8 in flight as served 1.08x -> 1.14x, decoding steps 1.19x -> 1.32x; 2026-12-07 21:34-, docs/benchmarks.md)
+# kept 2.0 tokens a forward of prompt lookup's K=5 drafts where it keeps 2.9 over the measured rows (8 in flight in
+# process, the same table: 1.08x -> 1.14x plain, decoding steps 1.19x -> 1.32x; 2026-12-07 21:34-, docs/benchmarks.md)
 MAX_DRAFT_ROWS = 48
 # How engine_draft_token_costs times the engines (part of the key of the costs `pipeline repo` keeps)
 ENGINE_TIMING = "as served: batch-invariant, compiled layers, measured decode threads"
