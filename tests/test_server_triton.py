@@ -87,8 +87,10 @@ def text_request(prompt: str, max_tokens: int = MAX_TOKENS, **extra) -> dict:
     return fields
 
 
-def stream_requests(url: str, model: str, requests: list[dict], timeout: float = 240) -> list[list]:
-    """Send every request on one gRPC stream; returns each request's results (texts, last result)."""
+def stream_requests(url: str, model: str, requests: list[dict], timeout: float = 120) -> list[list]:
+    """Send every request on one gRPC stream; returns each request's results (texts, last result). timeout: seconds
+    to wait for the next request to end (the tiny models' streams end within seconds; a stream stuck in Triton's
+    python backend fails its test in two minutes, and the next test's check stops the session)."""
     results: dict[str, list] = {str(i): [] for i in range(len(requests))}
     done: queue.Queue = queue.Queue()
 

@@ -149,16 +149,25 @@ ANSWERS_WITHIN_S = 60
 
 @pytest.fixture(autouse=True)
 def triton_server_answers(request):
-    """Before every test that uses the shared server: it still answers a one-token request, or the session stops at
-    once (pytest.exit, exit status 1). Triton 2.51's python backend once deadlocked after a client left mid-stream
-    (docs/reliability.md): the server stayed ready and answered nothing, and each later test waited out its client's
-    timeout, which took a CI run past its 30 minutes. Stopped at once, the run fails fast and CI's second run
-    (.ci/run) starts on a fresh server."""
+    """Before every test that uses the shared server: it is live (`pipeline health --live`'s check: every stub beating,
+    no response send stuck) and answers a one-token request, or the session stops at once (pytest.exit, exit status
+    1). Triton 2.51's python backend deadlocks now and then in a response send (docs/reliability.md, "Seen again"):
+    the stuck requests never end while the server still answers a new one-token request, and every later test on it
+    waited out its client's timeout, which took a CI run past its 30 minutes. Stopped at once, the run fails fast and
+    CI's second run (.ci/run) starts on a fresh server."""
     if "triton_server" not in request.fixturenames:
         return
     from clients.client import ClientError, GenerateRequest, SamplingParams, TritonClient
+    from pipeline.lifecycle import Endpoints, check
 
     server = request.getfixturevalue("triton_server")
+    log = server.spec.out_dir / "tritonserver.log"
+    reasons = check(Endpoints(server.http_url, server.metrics_url, server.repo, server.server.drain_file,
+                              server.spec.serving.draft_failure), live_only=True)
+    if reasons:
+        pytest.exit(f"the shared Triton server is not live before {request.node.nodeid} ({'; '.join(reasons)}); "
+                    f"stopping the session: a wedged server fails every later test on its timeout. Its log: {log}",
+                    returncode=1)
     try:
         with TritonClient(server.grpc_url, timeout_s=ANSWERS_WITHIN_S) as client:
             client.generate(GenerateRequest("Is the server alive?", 1, SamplingParams(temperature=0.0),
@@ -166,4 +175,4 @@ def triton_server_answers(request):
     except ClientError as error:
         pytest.exit(f"the shared Triton server did not answer a one-token request before {request.node.nodeid} "
                     f"({error}); stopping the session: a wedged server fails every later test on its timeout. "
-                    f"Its log: {server.spec.out_dir / 'tritonserver.log'}", returncode=1)
+                    f"Its log: {log}", returncode=1)
