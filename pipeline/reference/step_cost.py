@@ -156,7 +156,8 @@ def row_costs(model: LlamaModel, batch: int, max_rows: int = MAX_DRAFT_ROWS, con
     over them. A step's GEMMs run its rows together, so its cost follows its row count, not whose rows they are; on
     AVX2 the int8 GEMM runs blocks of up to 6 rows, so the cost steps up where a block begins (SmolLM2's int8 engine
     at 4 in flight, 300 cached tokens: 1, 0.97, 1.05, 1.28, 1.41, 1.63 for 0-5 draft rows; docs/benchmarks.md), which
-    a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows at the measured rows' mean).
+    a cost per draft token does not see (PolicyProposer.fit_rows, which prices rows past max_rows at the measured
+    rows' mean).
     Forwards back to back, every r in each of `repeats` rounds (the order reversed every other round); per r the
     median round, made non-decreasing in r (noise can time more rows below fewer). kv_dtype: the KV cache's (`KVCache`
     kv_dtype; a served engine's own, `_served_engine`): a bf16 cache makes a plain step's attention cheaper and so
