@@ -161,7 +161,6 @@ def test_a_team_thread_computes_the_groups_left_with_the_calls_bits(isa, amx_min
         gemm_into(kernel, x_unit, torch.empty(7, 199), torch.zeros(1, 8, dtype=torch.long))
 
 
-
 @KERNELS
 @pytest.mark.parametrize("rows", [24, 41])
 def test_a_team_thread_of_a_call_of_many_rows_computes_the_row_chunks_left_with_the_calls_bits(rows, isa,
