@@ -2,11 +2,12 @@
 the suite's engines keep float32 unless a test asks).
 
 The cache stores what torch's bf16 rounding gives, in the layout csrc/bf16_kv.h documents, and reads it back the
-same from Python (the SDPA path's gather) as the C++ stores it. Its row attention kernel (csrc/row_attention_bf16.cpp,
-AVX512-BF16 CPUs) computes softmax attention over those values to float32 accuracy, given its documented roundings,
-every row alone over its own keys: its bits never depend on the other rows or the thread count. So an int8_sq engine
-with the option keeps its guarantee: speculative greedy output equals plain greedy output, at batch 1 and with 8 in
-flight. On a CPU without AVX512-BF16 the engine keeps a float32 cache.
+same from Python (the SDPA path's gather) as the C++ stores it. Its row attention kernel (csrc/row_attention_bf16.cpp:
+vdpbf16ps where the CPU has AVX512-BF16, else AVX2's fused multiply-adds in vdpbf16ps's order, the same bits)
+computes softmax attention over those values to float32 accuracy, given its documented roundings, every row alone over
+its own keys: its bits never depend on the other rows or the thread count. So an int8_sq engine with the option keeps
+its guarantee: speculative greedy output equals plain greedy output, at batch 1 and with 8 in flight. On a CPU with
+neither the engine keeps a float32 cache.
 """
 
 import logging
@@ -15,7 +16,7 @@ import math
 import pytest
 import torch
 
-from pipeline.reference import fused_layers, int8_grid_gemm, row_attention, step_cost
+from pipeline.reference import cpp_ops, fused_layers, int8_grid_gemm, row_attention, step_cost
 from pipeline.reference.engine import BF16_KV_CACHE_ENV, EngineConfig, LLMEngine
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.medusa import MedusaProposer, load_medusa_dir
@@ -25,8 +26,12 @@ from tests.test_compiled import assert_rows_do_not_depend_on_the_batch
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the int8 engine builds, a fixture
 from tests.test_speculative import MEDUSA_CHOICES, drive, prompts, random_medusa_dir
 
-needs_bf16_kernel = pytest.mark.skipif(row_attention.bf16_kernel() is None,
-                                       reason="the bf16 row attention kernel needs AVX512-BF16")
+# each build of the bf16 row attention kernel this CPU runs
+BUILDS = [pytest.param(build, id=build.library, marks=pytest.mark.skipif(not build.cpu_supported(),
+                                                                         reason=f"{build.library} does not run here"))
+          for build in (row_attention.BF16, row_attention.BF16_AVX2)]
+needs_both_builds = pytest.mark.skipif(not row_attention.BF16.cpu_supported(),
+                                       reason="needs AVX512-BF16 (and so AVX2) to run both builds")
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +80,9 @@ def test_the_cache_stores_bf16_rounding_and_copies_clears_and_gathers_it():
         KVCache(1, 4, 8, 3, 64, torch.float32, "BF16")
 
 
-@needs_bf16_kernel
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 16), (18, 1, 256)])
-def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size):
+def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv_heads, head_size, build):
     kv, k, v = filled_cache(kv_heads=kv_heads, head_size=head_size, seed=heads)
     g = torch.Generator().manual_seed(head_size)
     seq = (torch.randperm(40, generator=g)[:, None] * 32 + torch.arange(32)).flatten()  # a block table's slots
@@ -85,23 +90,23 @@ def test_rows_attend_over_their_own_keys_to_float32_accuracy_and_alone(heads, kv
     starts = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 640])
     lengths = torch.tensor([1, 15, 16, 17, 300, 301, 302, 1000, 33])  # odd and even, across groups of 16
     keys, scale = (seq, starts, lengths), 1 / math.sqrt(head_size)
-    out = row_attention.row_attention(q, kv.k[0], kv.v[0], keys, scale, row_attention.BF16)
+    out = row_attention.row_attention(q, kv.k[0], kv.v[0], keys, scale, build)
     # float32 sums; a numerator whose float32 and float64 values straddle a bf16 rounding boundary rounds to the
     # neighbouring bf16 (2^-8 relative), which the bound allows for the largest probabilities
     assert (out.double() - reference(q, k, v, *keys, scale)).abs().max() < 3e-4
     alone = torch.cat([row_attention.row_attention(q[r:r + 1], kv.k[0], kv.v[0], (seq, starts[r:r + 1], lengths[r:r + 1]),
-                                                   scale, row_attention.BF16) for r in range(len(q))])
+                                                   scale, build) for r in range(len(q))])
     assert torch.equal(alone, out)  # a row's bits do not depend on the other rows
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(row_attention.row_attention(q, kv.k[0], kv.v[0], keys, scale, row_attention.BF16), out)
+        assert torch.equal(row_attention.row_attention(q, kv.k[0], kv.v[0], keys, scale, build), out)
     finally:
         torch.set_num_threads(before)
 
 
-@needs_bf16_kernel
-def test_the_kernel_stores_what_the_cache_stores_and_refuses_keys_outside_groups_of_16():
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_kernel_stores_what_the_cache_stores_and_refuses_keys_outside_groups_of_16(build):
     kv, k, v = filled_cache(num_blocks=4)
     ours = KVCache(1, 4, 32, 3, 64, torch.float32, "BF16")
     ours.k.copy_(kv.k), ours.v.copy_(kv.v)
@@ -111,13 +116,46 @@ def test_the_kernel_stores_what_the_cache_stores_and_refuses_keys_outside_groups
     keys = (torch.arange(36), torch.tensor([0, 0, 0]), torch.tensor([34, 35, 36]))
     q = torch.randn(3, 9, 64)
     written = row_attention.write_and_attend(q, new_k, new_v, new_slots, ours.k[0], ours.v[0], keys, 0.125,
-                                             row_attention.BF16)
+                                             build)
     assert torch.equal(ours.k, kv.k) and torch.equal(ours.v, kv.v)  # the C++ store's bits are torch's
-    assert torch.equal(written, row_attention.row_attention(q, kv.k[0], kv.v[0], keys, 0.125, row_attention.BF16))
+    assert torch.equal(written, row_attention.row_attention(q, kv.k[0], kv.v[0], keys, 0.125, build))
     scattered = (torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 40]), torch.tensor([0]),
                  torch.tensor([17]))
     with pytest.raises(RuntimeError, match="must fill groups of 16 slots in order"):
-        row_attention.row_attention(q[:1], kv.k[0], kv.v[0], scattered, 0.125, row_attention.BF16)
+        row_attention.row_attention(q[:1], kv.k[0], kv.v[0], scattered, 0.125, build)
+
+
+@needs_both_builds
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (8, 1, 128), (6, 2, 16)])
+def test_the_avx2_build_gives_the_avx512_bf16_builds_bits(heads, kv_heads, head_size):
+    """vdpbf16ps adds a dim pair's two products in turn, the odd one first, each rounded once (bf16 products are exact
+    in float32): the AVX2 build's fused multiply-adds in that order, its softmax summed in the same 16 lanes and
+    reduced in the same order. Rows of one sequence (a verify) and of another, odd and even lengths."""
+    kv, _, _ = filled_cache(kv_heads=kv_heads, head_size=head_size, seed=heads)
+    g = torch.Generator().manual_seed(7)
+    seq = (torch.randperm(40, generator=g)[:, None] * 32 + torch.arange(32)).flatten()
+    q = torch.randn(12, heads, head_size, generator=g) * 4
+    starts = torch.tensor([0] * 6 + [320] * 6)
+    lengths = torch.tensor([1, 2, 31, 32, 33, 1000, 100, 101, 102, 103, 104, 105])
+    keys, scale = (seq, starts, lengths), 1 / math.sqrt(head_size)
+    avx512, avx2 = (row_attention.row_attention(q, kv.k[0], kv.v[0], keys, scale, build)
+                    for build in (row_attention.BF16, row_attention.BF16_AVX2))
+    assert torch.equal(avx512, avx2)
+
+
+@needs_both_builds
+@pytest.mark.skipif(int8_grid_gemm.kernel() is None, reason="needs the int8 GEMM kernel")
+def test_fused_int8_layers_on_the_avx2_build_give_the_avx512_builds_logits(int8_engines, monkeypatch):  # noqa: F811
+    """The fused layers' team calls the AVX2 build's row_attention_into where it is the build here (AMD Zen3)."""
+    prompt = prompts(1)[0] * 4  # 24 tokens
+    logits = []
+    for build in (row_attention.BF16, row_attention.BF16_AVX2):
+        assert cpp_ops.loaded(build)  # as bf16_kernel() loads the build it picks
+        monkeypatch.setattr(row_attention, "bf16_kernel", lambda build=build: build)
+        model, kv = int8_sq_model(int8_engines["int8_sq"], "BF16")
+        model([SequenceInput(prompt[:14], 0, [0, 1, 2])], kv)
+        logits.append(model([SequenceInput(prompt[14:20], 14, [0, 1, 2], logits_rows=list(range(6)))], kv).logits)
+    assert torch.equal(*logits)
 
 
 def int8_sq_model(engine_dir, kv_dtype):

@@ -414,7 +414,8 @@ def main() -> None:
                         help="part 2's layer modes: eager (op by op), compiled (CompiledLayers, int8_sq engines only), "
                              "fused (compiled + FusedInt8Layers, as the engine runs them)")
     parser.add_argument("--kv-caches", default="float32,bf16" if row_attention.bf16_kernel() else "float32",
-                        help="part 2's KV caches: float32, bf16 (KVCache kv_dtype BF16; its kernel needs AVX512-BF16)")
+                        help="part 2's KV caches: float32, bf16 (KVCache kv_dtype BF16; its kernel needs AVX512-BF16 "
+                             "or AVX2)")
     parser.add_argument("--context", type=int, default=128,
                         help="part 2's cached tokens before the timed forwards (8 in flight: 5/8 to 10/8 of it)")
     args = parser.parse_args()

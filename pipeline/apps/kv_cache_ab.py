@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if row_attention.bf16_kernel() is None:
-        raise SystemExit("the bf16 row attention kernel does not run here (it needs AVX512-BF16)")
+        raise SystemExit("the bf16 row attention kernel does not run here (it needs AVX512-BF16 or AVX2)")
     from transformers import AutoTokenizer
 
     prompts = grounded_prompts(AutoTokenizer.from_pretrained(SMOLLM2), 2)

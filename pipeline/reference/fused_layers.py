@@ -74,7 +74,7 @@ class FusedDenseLayers:
                                   no_bias if layer["qkv"].bias is None else layer["qkv"].bias, layer["o"].weight,
                                   layer["gate_up"].weight, layer["down"].weight)]
         self.attention = "specdeploy::" + row_attention.op_name("write_and_attend")
-        self.attention_bf16 = "specdeploy::" + row_attention.op_name("write_and_attend", row_attention.BF16)
+        self.attention_bf16 = "write_and_attend"  # in the build over a bf16 cache (`attention_op`)
 
     @property
     def lm_head(self) -> BFloat16Weights | Float16Weights | DenseLinear | None:
@@ -144,7 +144,7 @@ class FusedInt8Layers:
         op = "int8_grid_gemm_into" if kernel.isa is int8_grid_gemm.VNNI else "int8_grid_gemm_avx2_into"
         self.gemm = ("specdeploy::" + op, kernel.step, kernel.zero_point, kernel.amx_min_rows)
         self.attention = "specdeploy::" + row_attention.op_name("row_attention_into")
-        self.attention_bf16 = "specdeploy::" + row_attention.op_name("row_attention_into", row_attention.BF16)
+        self.attention_bf16 = "row_attention_into"  # in the build over a bf16 cache (`attention_op`)
 
     def chains(self, seqs, kv) -> torch.Tensor:
         """The decoder layers and final norm over the new tokens of `seqs` (model.SequenceInput chains, checked by the
@@ -167,8 +167,11 @@ class FusedInt8Layers:
 
 def attention_op(layers: "FusedDenseLayers | FusedInt8Layers", kv) -> str:
     """The attention op `layers` call over KV cache `kv`: their `attention` (over float32; a revision's in
-    pipeline.apps.attention_ab) or, over a bf16 cache, their `attention_bf16`."""
-    return layers.attention_bf16 if kv.kv_dtype == "BF16" else layers.attention
+    pipeline.apps.attention_ab) or, over a bf16 cache, their `attention_bf16` op in the build that attends over it
+    (row_attention.bf16_kernel)."""
+    if kv.kv_dtype != "BF16":
+        return layers.attention
+    return "specdeploy::" + row_attention.op_name(layers.attention_bf16, row_attention.bf16_kernel())
 
 
 def build(model) -> FusedDenseLayers | FusedInt8Layers | None:

@@ -14,9 +14,10 @@ It runs where the CPU has AVX-512 or AVX2 (a second build of the same source, op
 float32 KV cache and the rows form chains (trees keep SDPA); REFERENCE_ROW_ATTENTION=0 keeps SDPA everywhere. Each
 build also registers `row_attention_into` (`_avx2`), which the fused int8_sq layers call from every thread of their
 team: each caller plans the same work items and takes them from shared counters (csrc/shared_items.h).
-Over a bf16 KV cache (KVCache's kv_dtype "BF16", an engine option) a third build attends where the CPU has
-AVX512-BF16 (csrc/row_attention_bf16.cpp, ops with the suffix _bf16): the same work items and the same guarantee,
-with vdpbf16ps over half the bytes (`kernel_for` picks the build for a cache).
+Over a bf16 KV cache (KVCache's kv_dtype "BF16", an engine option) csrc/row_attention_bf16.cpp attends: the same
+work items and the same guarantee over half the bytes, with vdpbf16ps where the CPU has AVX512-BF16 (ops with the
+suffix _bf16), else with AVX2's fused multiply-adds in vdpbf16ps's order (suffix _bf16_avx2; AMD Zen3): the same bits
+(`kernel_for` picks the build for a cache).
 Numbers: docs/benchmarks.md.
 """
 
@@ -33,10 +34,12 @@ ENV = "REFERENCE_ROW_ATTENTION"  # "0": the model's SDPA path even where this ke
 AVX512 = cpp_ops.Build("row_attention", "row_attention", ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
                        torch.cpu._is_avx512_supported)
 AVX2 = cpp_ops.Build("row_attention_avx2", "row_attention", ("-O3", "-mavx2", "-mfma"), torch.cpu._is_avx2_supported)
-# over a bf16 KV cache (KVCache kv_dtype "BF16"): csrc/row_attention_bf16.cpp, ops with the suffix _bf16
+# over a bf16 KV cache (KVCache kv_dtype "BF16"): csrc/row_attention_bf16.cpp, ops with the suffix _bf16, or _bf16_avx2
 BF16 = cpp_ops.Build("row_attention_bf16", "row_attention_bf16",
                      ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
                      torch.cpu._is_avx512_bf16_supported)
+BF16_AVX2 = cpp_ops.Build("row_attention_bf16_avx2", "row_attention_bf16", ("-O3", "-mavx2", "-mfma"),
+                          torch.cpu._is_avx2_supported)
 
 
 def switched_on() -> bool:
@@ -53,9 +56,10 @@ def kernel() -> cpp_ops.Build | None:
 
 @functools.cache
 def bf16_kernel() -> cpp_ops.Build | None:
-    """The build over a bf16 KV cache (AVX512-BF16 CPUs), or None (REFERENCE_ROW_ATTENTION=0, another CPU, or the
-    build failed: logged once; attention over that cache then runs on SDPA)."""
-    return cpp_ops.first_build((BF16,), ENV, "attention over a bf16 KV cache runs on SDPA")
+    """The build over a bf16 KV cache: AVX512-BF16's where the CPU has it, else AVX2's; None where neither runs
+    (REFERENCE_ROW_ATTENTION=0, no AVX2, or the builds failed: logged once; attention over that cache then runs on
+    SDPA)."""
+    return cpp_ops.first_build((BF16, BF16_AVX2), ENV, "attention over a bf16 KV cache runs on SDPA")
 
 
 def kernel_for(kv) -> cpp_ops.Build | None:
@@ -68,9 +72,9 @@ def kernel_for(kv) -> cpp_ops.Build | None:
 
 def op_name(name: str, build: cpp_ops.Build | None = None) -> str:
     """The name under which a build (default `kernel()`) registers op `name`: the AVX2 build adds the suffix _avx2,
-    the bf16 one _bf16."""
+    the bf16 ones _bf16 and _bf16_avx2."""
     build = build or kernel()
-    return name + ("_avx2" if build is AVX2 else "_bf16" if build is BF16 else "")
+    return name + {AVX2: "_avx2", BF16: "_bf16", BF16_AVX2: "_bf16_avx2"}.get(build, "")
 
 
 @functools.cache

@@ -9,6 +9,11 @@
 // the float32 sum (as flash attention kernels round P). What the pairs of an item share is the loads: 16 keys' two
 // dims in one register (no transposes, half the bytes of float32) and two keys' values in one. A pair takes
 // weight 0 for the keys of its item past its own (exact zeros: its sums do not change).
+// The AVX2 build of this source (ops with the suffix _bf16_avx2, for CPUs without AVX512-BF16 such as AMD Zen3)
+// does each vdpbf16ps as its two fused multiply-adds in the instruction's order, the odd element's product first
+// (bf16 products are exact in float32, so each rounds once, as vdpbf16ps does), 8 lanes a register: the same bits
+// as the AVX512-BF16 build wherever no sum or input is subnormal (vdpbf16ps flushes those to zero;
+// tests/test_bf16_kv_cache.py compares the two builds).
 // Numbers: docs/benchmarks.md ("A bf16 KV cache"). Python side: pipeline/reference/row_attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,17 +30,25 @@
 #include "shared_items.h"
 #include "row_items.h"
 
+#ifdef __AVX512BF16__
+#define OP_NAME(name) name "_bf16"
+#else
+#define OP_NAME(name) name "_bf16_avx2"
+#endif
+
 namespace {
 
-constexpr int LANES = 16;
+constexpr int LANES = 16;  // keys per group of the cache's layout (bf16_kv.h)
+#ifdef __AVX512BF16__
 constexpr int QK_PAIRS = 6;  // pairs per score block: 6 accumulators of 16 keys
 constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 value registers
 
 // Scores of P pairs over one group of 16 keys `kb` ([D / 2][16] uint32, each two bf16 dims of one key): lane l
-// sums the dim pairs of key l in order from 0 by vdpbf16ps, then times scale; stored for the keys in `mask`.
+// sums the dim pairs of key l in order from 0 by vdpbf16ps, then times scale; stored for the group's first nk keys.
 template <int P>
-void qk_group(const uint32_t* const* q, const uint32_t* kb, int64_t dim_pairs, float scale, __mmask16 mask,
+void qk_group(const uint32_t* const* q, const uint32_t* kb, int64_t dim_pairs, float scale, int64_t nk,
               float* const* s) {
+  const __mmask16 mask = nk >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
   __m512 acc[P];
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
@@ -84,6 +97,163 @@ void pv_block(const uint32_t* const* e, const float* inv_sum, const ValuePair& v
       if (c < cn) _mm512_storeu_ps(out[p] + (c0 + c) * LANES, _mm512_mul_ps(acc[p][c], _mm512_set1_ps(inv_sum[p])));
 }
 
+// The softmax of one pair's scores x [length]: returns 1 / the float32 sum of e^(x - max), summed in 16 lanes (lane l:
+// keys l mod 16 in order), and stores the numerators rounded to bf16 as pairs of keys e [key_pairs] (0 past length).
+float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t* e) {
+  auto first = [](int64_t left) {
+    return left >= LANES ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+  };
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < length; j += LANES)
+    best = _mm512_mask_max_ps(best, first(length - j), best, _mm512_maskz_loadu_ps(first(length - j), x + j));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < 2 * key_pairs; j += 2 * LANES) {
+    const __mmask16 ma = first(length - j), mb = first(length - j - LANES);
+    const __m512 a = _mm512_maskz_mov_ps(ma, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(ma, x + j), top)));
+    const __m512 b = _mm512_maskz_mov_ps(mb, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mb, x + j + LANES), top)));
+    sum = _mm512_add_ps(sum, a);
+    sum = _mm512_add_ps(sum, b);
+    // keys j .. j + 31 as bf16 in order: (j, j + 1) is pair j / 2, low half first
+    _mm512_storeu_si512(e + j / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// A query row x [D] float32 -> y [D / 2]: its dim pairs as bf16 (rounded to nearest even), low half first.
+void query_pairs(const float* x, int64_t D, uint32_t* y) {
+  for (int64_t d = 0; d < D; d += LANES)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
+}
+
+#else  // AVX2
+constexpr int QK_PAIRS = 4;  // pairs per score block: 4 x 2 accumulators of 8 keys + 4 key registers
+constexpr int PV_PAIRS = 4;  // pairs per value block: 4 x 2 accumulators of 8 dims + 4 value registers
+
+// The two float32 halves of 8 uint32 lanes, each two bf16: the low (even) elements and the high (odd) ones.
+inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_bf16(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// acc + a . b over one lane's bf16 pair, as vdpbf16ps adds it: the odd elements' product first, then the even ones'.
+inline __m256 dot_pair(__m256 acc, __m256i a, __m256i b) {
+  return _mm256_fmadd_ps(even_bf16(a), even_bf16(b), _mm256_fmadd_ps(odd_bf16(a), odd_bf16(b), acc));
+}
+
+// Scores of P pairs over one group of 16 keys `kb`: as the AVX512-BF16 build's qk_group, 8 keys a register.
+template <int P>
+void qk_group(const uint32_t* const* q, const uint32_t* kb, int64_t dim_pairs, float scale, int64_t nk,
+              float* const* s) {
+  __m256 acc[P][2];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dim_pairs; ++i) {
+    const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + i * LANES));
+    const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + i * LANES + 8));
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m256i qi = _mm256_set1_epi32(int(q[p][i]));
+      acc[p][0] = dot_pair(acc[p][0], qi, k0);
+      acc[p][1] = dot_pair(acc[p][1], qi, k1);
+    }
+  }
+  alignas(32) float row[LANES];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    _mm256_store_ps(row, _mm256_mul_ps(acc[p][0], _mm256_set1_ps(scale)));
+    _mm256_store_ps(row + 8, _mm256_mul_ps(acc[p][1], _mm256_set1_ps(scale)));
+    std::memcpy(s[p], row, sizeof(float) * std::min<int64_t>(nk, LANES));
+  }
+}
+
+// As the AVX512-BF16 build's pv_block, each chunk of 16 dims as two registers of 8, one chunk at a time.
+template <int P, typename ValuePair>
+void pv_block(const uint32_t* const* e, const float* inv_sum, const ValuePair& value_pair, int64_t key_pairs,
+              bool odd_tail, int64_t c0, int64_t cn, float* const* out) {
+  for (int64_t c = c0; c < c0 + cn; ++c) {
+    __m256 acc[P][2];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
+    for (int64_t jj = 0; jj < key_pairs; ++jj) {
+      const uint32_t* row = value_pair(jj) + c * LANES;
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8));
+      if (odd_tail && jj == key_pairs - 1) {
+        v0 = _mm256_and_si256(v0, _mm256_set1_epi32(0xFFFF));
+        v1 = _mm256_and_si256(v1, _mm256_set1_epi32(0xFFFF));
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const __m256i w = _mm256_set1_epi32(int(e[p][jj]));
+        acc[p][0] = dot_pair(acc[p][0], w, v0);
+        acc[p][1] = dot_pair(acc[p][1], w, v1);
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      _mm256_storeu_ps(out[p] + c * LANES, _mm256_mul_ps(acc[p][0], _mm256_set1_ps(inv_sum[p])));
+      _mm256_storeu_ps(out[p] + c * LANES + 8, _mm256_mul_ps(acc[p][1], _mm256_set1_ps(inv_sum[p])));
+    }
+  }
+}
+
+// 8 lanes' float32 -> bf16 bits in each lane's low half, rounded to nearest even (finite inputs: the softmax's
+// numerators, which are normal or 0, as vcvtne2ps2bf16 rounds them).
+inline __m256i round_lanes_to_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+// Keys j .. j + 15's bf16 bits (lo: j .. j + 7, hi: j + 8 .. j + 15, one a lane) as 8 pairs of keys, low half first.
+inline __m256i key_pairs_of(__m256i lo, __m256i hi) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // packus interleaves the 128-bit halves
+}
+
+// As the AVX512-BF16 build's probabilities: the sum in the same 16 lanes (two registers of 8) and reduced in the
+// order of _mm512_reduce_add_ps (the upper 8 lanes onto the lower, then 4, 2, 1), so the same bits.
+float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t* e) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto first = [&](int64_t left) {  // lanes < left
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::clamp<int64_t>(left, 0, 8))), lane);
+  };
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < length; j += 8) {
+    const __m256 m = _mm256_castsi256_ps(first(length - j));
+    best = _mm256_blendv_ps(best, _mm256_max_ps(best, _mm256_maskload_ps(x + j, first(length - j))), m);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+  __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();  // the 16 lanes' 0-7 and 8-15
+  auto numerators = [&](int64_t j) {  // keys j .. j + 7: e^(x - top), 0 past length
+    const __m256i m = first(length - j);
+    return _mm256_and_ps(_mm256_castsi256_ps(m), exp8(_mm256_sub_ps(_mm256_maskload_ps(x + j, m), top)));
+  };
+  for (int64_t j = 0; j < 2 * key_pairs; j += 2 * LANES) {
+    const __m256 a0 = numerators(j), a1 = numerators(j + 8), b0 = numerators(j + 16), b1 = numerators(j + 24);
+    sum_lo = _mm256_add_ps(_mm256_add_ps(sum_lo, a0), b0);
+    sum_hi = _mm256_add_ps(_mm256_add_ps(sum_hi, a1), b1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j / 2),
+                        key_pairs_of(round_lanes_to_bf16(a0), round_lanes_to_bf16(a1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j / 2 + 8),
+                        key_pairs_of(round_lanes_to_bf16(b0), round_lanes_to_bf16(b1)));
+  }
+  const __m256 eight = _mm256_add_ps(sum_hi, sum_lo);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return 1.0f / (_mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 0, 0, 1))));
+}
+
+// As the AVX512-BF16 build's query_pairs (the same bits but for subnormal inputs, which vcvtneps2bf16 flushes to
+// zero).
+void query_pairs(const float* x, int64_t D, uint32_t* y) {
+  for (int64_t i = 0; i < D / 2; ++i)
+    y[i] = uint32_t(bf16_kv::round_to_bf16(x[2 * i])) | uint32_t(bf16_kv::round_to_bf16(x[2 * i + 1])) << 16;
+}
+#endif  // __AVX512BF16__
+
 // n (row, query head) pairs over KV head h of one layer's bf16 cache (keys, values): pair p's query q[p] (D / 2
 // bf16 pairs) attends over the keys at slots[0 : len[p]] (whole aligned groups of 16 slots, checked by the
 // caller); its result goes to out[p] [D]. s: score scratch [n][s_stride], e: probability scratch [n][s_stride / 2];
@@ -100,7 +270,6 @@ void kv_head(int64_t n, const uint32_t* const* q, const int64_t* len, float* con
   for (int64_t p = 0; p < n; ++p) sp[p] = s + p * s_stride, ep[p] = e + p * (s_stride / 2);
   for (int64_t j0 = 0; j0 < longest; j0 += LANES) {  // scores, one group of 16 keys at a time
     const int64_t nk = std::min<int64_t>(LANES, longest - j0);
-    const __mmask16 mask = nk == LANES ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
     // the next group's keys and this group's values on their way in, to L2 (as row_attention.cpp)
     for (int64_t b = 0; b < chunk_bytes; b += 64) {
       if (j0 + LANES < longest) _mm_prefetch(reinterpret_cast<const char*>(chunk(keys, j0 + LANES)) + b, _MM_HINT_T1);
@@ -112,39 +281,18 @@ void kv_head(int64_t n, const uint32_t* const* q, const int64_t* len, float* con
       float* const* so = sj.data() + p0;
       const uint32_t* const* qo = q + p0;
       switch (std::min<int64_t>(QK_PAIRS, n - p0)) {
-        case 1: qk_group<1>(qo, kb, D / 2, scale, mask, so); break;
-        case 2: qk_group<2>(qo, kb, D / 2, scale, mask, so); break;
-        case 3: qk_group<3>(qo, kb, D / 2, scale, mask, so); break;
-        case 4: qk_group<4>(qo, kb, D / 2, scale, mask, so); break;
-        case 5: qk_group<5>(qo, kb, D / 2, scale, mask, so); break;
-        default: qk_group<6>(qo, kb, D / 2, scale, mask, so); break;
+        case 1: qk_group<1>(qo, kb, D / 2, scale, nk, so); break;
+        case 2: qk_group<2>(qo, kb, D / 2, scale, nk, so); break;
+        case 3: qk_group<3>(qo, kb, D / 2, scale, nk, so); break;
+        case 4: qk_group<4>(qo, kb, D / 2, scale, nk, so); break;
+        case 5: qk_group<5>(qo, kb, D / 2, scale, nk, so); break;
+        default: qk_group<6>(qo, kb, D / 2, scale, nk, so); break;
       }
     }
   }
   const int64_t key_pairs = (longest + 1) / 2;
   std::vector<float> inv_sum(n);
-  for (int64_t p = 0; p < n; ++p) {  // softmax: float32 maximum and sum; the numerators as bf16 pairs, 0 past len
-    const float* x = sp[p];
-    const int64_t length = len[p];
-    auto first = [](int64_t left) {
-      return left >= LANES ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    };
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < length; j += LANES)
-      best = _mm512_mask_max_ps(best, first(length - j), best, _mm512_maskz_loadu_ps(first(length - j), x + j));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < 2 * key_pairs; j += 2 * LANES) {
-      const __mmask16 ma = first(length - j), mb = first(length - j - LANES);
-      const __m512 a = _mm512_maskz_mov_ps(ma, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(ma, x + j), top)));
-      const __m512 b = _mm512_maskz_mov_ps(mb, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mb, x + j + LANES), top)));
-      sum = _mm512_add_ps(sum, a);
-      sum = _mm512_add_ps(sum, b);
-      // keys j .. j + 31 as bf16 in order: (j, j + 1) is pair j / 2, low half first
-      _mm512_storeu_si512(ep[p] + j / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
-    inv_sum[p] = 1.0f / _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t p = 0; p < n; ++p) inv_sum[p] = probabilities(sp[p], len[p], key_pairs, ep[p]);
   const bool odd_tail = longest % 2 == 1;
   const auto value_pair = [&](int64_t jj) {
     return reinterpret_cast<const uint32_t*>(chunk(values, 2 * jj) + (2 * jj % LANES / 2) * 2 * D);
@@ -231,10 +379,8 @@ struct Call : RowItems {
       int64_t p = 0;
       for (int64_t r = it.row_begin; r < it.row_end; ++r)
         for (int64_t h = it.h0; h < it.h1; ++h, ++p) {
-          const float* x = qp + (r * H + h) * D;
           uint32_t* y = qbf.data() + p * D / 2;
-          for (int64_t d = 0; d < D; d += LANES)  // 16 dims -> 8 pairs, rounded to nearest even
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + d)));
+          query_pairs(qp + (r * H + h) * D, D, y);
           qs[p] = y;
           os.push_back(op + (r * H + h) * D);
           lens.push_back(ln[r]);
@@ -283,10 +429,10 @@ at::Tensor write_and_attend_bf16(at::Tensor q, at::Tensor k_new, at::Tensor v_ne
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdeploy, m) {
-  m.def("row_attention_bf16(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
+  m.def(OP_NAME("row_attention") "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
         "float scale) -> Tensor", &row_attention_bf16);
-  m.def("write_and_attend_bf16(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, "
+  m.def(OP_NAME("write_and_attend") "(Tensor q, Tensor k_new, Tensor v_new, Tensor new_slots, Tensor(a!) k, "
         "Tensor(b!) v, Tensor slots, Tensor starts, Tensor lengths, float scale) -> Tensor", &write_and_attend_bf16);
-  m.def("row_attention_into_bf16(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
+  m.def(OP_NAME("row_attention_into") "(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor starts, Tensor lengths, "
         "float scale, Tensor(a!) out, Tensor(b!) tickets, int phase, int threads) -> ()", &row_attention_into_bf16);
 }
