@@ -42,6 +42,7 @@ constexpr int LANES = 16;  // keys per group of the cache's layout (bf16_kv.h)
 #ifdef __AVX512BF16__
 constexpr int QK_PAIRS = 6;  // pairs per score block: 6 accumulators of 16 keys
 constexpr int PV_PAIRS = 6;  // pairs per value block: 6 x 4 accumulators + 4 value registers
+constexpr int64_t PAIR_WORDS = 1;  // uint32 words of a bf16 pair in the queries' and numerators' scratch: its two bf16
 
 // Scores of P pairs over one group of 16 keys `kb` ([D / 2][16] uint32, each two bf16 dims of one key): lane l
 // sums the dim pairs of key l in order from 0 by vdpbf16ps, then times scale; stored for the group's first nk keys.
@@ -129,6 +130,9 @@ void query_pairs(const float* x, int64_t D, uint32_t* y) {
 #else  // AVX2
 constexpr int QK_PAIRS = 4;  // pairs per score block: 4 x 2 accumulators of 8 keys + 4 key registers
 constexpr int PV_PAIRS = 4;  // pairs per value block: 4 x 2 accumulators of 8 dims + 4 value registers
+// uint32 words of a bf16 pair in the queries' and numerators' scratch: each bf16 as the float32 it is (its bits << 16),
+// the even element first, so a broadcast needs no widening
+constexpr int64_t PAIR_WORDS = 2;
 
 // The two float32 halves of 8 uint32 lanes, each two bf16: the low (even) elements and the high (odd) ones.
 inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
@@ -136,10 +140,14 @@ inline __m256 odd_bf16(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 
-// acc + a . b over one lane's bf16 pair, as vdpbf16ps adds it: the odd elements' product first, then the even ones'.
-inline __m256 dot_pair(__m256 acc, __m256i a, __m256i b) {
-  return _mm256_fmadd_ps(even_bf16(a), even_bf16(b), _mm256_fmadd_ps(odd_bf16(a), odd_bf16(b), acc));
+// acc + a . b over one lane's bf16 pair (a_even, a_odd: the pair's broadcast floats, b: 8 lanes' pairs), as vdpbf16ps
+// adds it: the odd elements' product first, then the even ones'.
+inline __m256 dot_pair(__m256 acc, __m256 a_even, __m256 a_odd, __m256i b) {
+  return _mm256_fmadd_ps(a_even, even_bf16(b), _mm256_fmadd_ps(a_odd, odd_bf16(b), acc));
 }
+
+// Word w of a scratch row (`PAIR_WORDS`) on every lane.
+inline __m256 broadcast_word(const uint32_t* row, int64_t w) { return _mm256_castsi256_ps(_mm256_set1_epi32(int(row[w]))); }
 
 // Scores of P pairs over one group of 16 keys `kb`: as the AVX512-BF16 build's qk_group, 8 keys a register.
 template <int P>
@@ -153,9 +161,9 @@ void qk_group(const uint32_t* const* q, const uint32_t* kb, int64_t dim_pairs, f
     const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + i * LANES + 8));
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      const __m256i qi = _mm256_set1_epi32(int(q[p][i]));
-      acc[p][0] = dot_pair(acc[p][0], qi, k0);
-      acc[p][1] = dot_pair(acc[p][1], qi, k1);
+      const __m256 even = broadcast_word(q[p], 2 * i), odd = broadcast_word(q[p], 2 * i + 1);
+      acc[p][0] = dot_pair(acc[p][0], even, odd, k0);
+      acc[p][1] = dot_pair(acc[p][1], even, odd, k1);
     }
   }
   alignas(32) float row[LANES];
@@ -185,9 +193,9 @@ void pv_block(const uint32_t* const* e, const float* inv_sum, const ValuePair& v
       }
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const __m256i w = _mm256_set1_epi32(int(e[p][jj]));
-        acc[p][0] = dot_pair(acc[p][0], w, v0);
-        acc[p][1] = dot_pair(acc[p][1], w, v1);
+        const __m256 even = broadcast_word(e[p], 2 * jj), odd = broadcast_word(e[p], 2 * jj + 1);
+        acc[p][0] = dot_pair(acc[p][0], even, odd, v0);
+        acc[p][1] = dot_pair(acc[p][1], even, odd, v1);
       }
     }
 #pragma GCC unroll 8
@@ -206,13 +214,9 @@ inline __m256i round_lanes_to_bf16(__m256 x) {
   return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
 }
 
-// Keys j .. j + 15's bf16 bits (lo: j .. j + 7, hi: j + 8 .. j + 15, one a lane) as 8 pairs of keys, low half first.
-inline __m256i key_pairs_of(__m256i lo, __m256i hi) {
-  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // packus interleaves the 128-bit halves
-}
-
 // As the AVX512-BF16 build's probabilities: the sum in the same 16 lanes (two registers of 8) and reduced in the
-// order of _mm512_reduce_add_ps (the upper 8 lanes onto the lower, then 4, 2, 1), so the same bits.
+// order of _mm512_reduce_add_ps (the upper 8 lanes onto the lower, then 4, 2, 1), so the same bits; the numerators
+// stored as PAIR_WORDS words a pair, one a key.
 float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t* e) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   auto first = [&](int64_t left) {  // lanes < left
@@ -235,10 +239,9 @@ float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t*
     const __m256 a0 = numerators(j), a1 = numerators(j + 8), b0 = numerators(j + 16), b1 = numerators(j + 24);
     sum_lo = _mm256_add_ps(_mm256_add_ps(sum_lo, a0), b0);
     sum_hi = _mm256_add_ps(_mm256_add_ps(sum_hi, a1), b1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j / 2),
-                        key_pairs_of(round_lanes_to_bf16(a0), round_lanes_to_bf16(a1)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j / 2 + 8),
-                        key_pairs_of(round_lanes_to_bf16(b0), round_lanes_to_bf16(b1)));
+    const __m256 keys[4] = {a0, a1, b0, b1};  // keys j .. j + 31
+    for (int g = 0; g < 4; ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j + 8 * g), _mm256_slli_epi32(round_lanes_to_bf16(keys[g]), 16));
   }
   const __m256 eight = _mm256_add_ps(sum_hi, sum_lo);
   const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
@@ -246,17 +249,17 @@ float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t*
   return 1.0f / (_mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 0, 0, 1))));
 }
 
-// As the AVX512-BF16 build's query_pairs (the same bits but for subnormal inputs, which vcvtneps2bf16 flushes to
-// zero).
+// As the AVX512-BF16 build's query_pairs, PAIR_WORDS words a pair, one a dim (the same bits but for subnormal inputs,
+// which vcvtneps2bf16 flushes to zero).
 void query_pairs(const float* x, int64_t D, uint32_t* y) {
-  for (int64_t i = 0; i < D / 2; ++i)
-    y[i] = uint32_t(bf16_kv::round_to_bf16(x[2 * i])) | uint32_t(bf16_kv::round_to_bf16(x[2 * i + 1])) << 16;
+  for (int64_t d = 0; d < D; ++d) y[d] = uint32_t(bf16_kv::round_to_bf16(x[d])) << 16;
 }
 #endif  // __AVX512BF16__
 
 // n (row, query head) pairs over KV head h of one layer's bf16 cache (keys, values): pair p's query q[p] (D / 2
-// bf16 pairs) attends over the keys at slots[0 : len[p]] (whole aligned groups of 16 slots, checked by the
-// caller); its result goes to out[p] [D]. s: score scratch [n][s_stride], e: probability scratch [n][s_stride / 2];
+// bf16 pairs, PAIR_WORDS words each) attends over the keys at slots[0 : len[p]] (whole aligned groups of 16 slots, checked by the
+// caller); its result goes to out[p] [D]. s: score scratch [n][s_stride], e: probability scratch
+// [n][s_stride / 2 * PAIR_WORDS];
 // s_stride the longest length rounded up to 32.
 void kv_head(int64_t n, const uint32_t* const* q, const int64_t* len, float* const* out, const uint16_t* keys,
              const uint16_t* values, const int64_t* slots, int64_t h, int64_t KVH, int64_t D, float scale, float* s,
@@ -267,7 +270,7 @@ void kv_head(int64_t n, const uint32_t* const* q, const int64_t* len, float* con
   auto chunk = [&](const uint16_t* layer, int64_t j) { return layer + bf16_kv::chunk(slots[j], h, KVH, D); };
   std::vector<float*> sp(n), sj(n);
   std::vector<uint32_t*> ep(n);
-  for (int64_t p = 0; p < n; ++p) sp[p] = s + p * s_stride, ep[p] = e + p * (s_stride / 2);
+  for (int64_t p = 0; p < n; ++p) sp[p] = s + p * s_stride, ep[p] = e + p * (s_stride / 2 * PAIR_WORDS);
   for (int64_t j0 = 0; j0 < longest; j0 += LANES) {  // scores, one group of 16 keys at a time
     const int64_t nk = std::min<int64_t>(LANES, longest - j0);
     // the next group's keys and this group's values on their way in, to L2 (as row_attention.cpp)
@@ -374,12 +377,12 @@ struct Call : RowItems {
       int64_t longest_here = 0;
       for (int64_t r = it.row_begin; r < it.row_end; ++r) longest_here = std::max(longest_here, ln[r]);
       const int64_t n = (it.row_end - it.row_begin) * (it.h1 - it.h0);
-      qbf.resize(n * D / 2);
+      qbf.resize(n * D / 2 * PAIR_WORDS);
       qs.resize(n);
       int64_t p = 0;
       for (int64_t r = it.row_begin; r < it.row_end; ++r)
         for (int64_t h = it.h0; h < it.h1; ++h, ++p) {
-          uint32_t* y = qbf.data() + p * D / 2;
+          uint32_t* y = qbf.data() + p * D / 2 * PAIR_WORDS;
           query_pairs(qp + (r * H + h) * D, D, y);
           qs[p] = y;
           os.push_back(op + (r * H + h) * D);
@@ -387,7 +390,7 @@ struct Call : RowItems {
         }
       const int64_t s_stride = (longest_here + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
       scores.resize(n * s_stride);
-      probs.resize(n * s_stride / 2);
+      probs.resize(n * s_stride / 2 * PAIR_WORDS);
       kv_head(n, qs.data(), lens.data(), os.data(), kp, vp, sp + st[it.row_begin], it.kv_head, KVH, D, float(scale),
               scores.data(), probs.data(), s_stride);
     });
