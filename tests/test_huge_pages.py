@@ -1,5 +1,6 @@
 """A model's streamed int8 weights sit in one buffer that Linux is asked to back with 2 MB pages
-(pipeline/reference/huge_pages.py): the same values, in forward order, advised MADV_HUGEPAGE before their first write."""
+(pipeline/reference/huge_pages.py): the same values, in forward order, advised MADV_HUGEPAGE before their first
+write."""
 
 import re
 import sys

@@ -98,10 +98,10 @@ class EngineConfig(EngineLimits):
     num_blocks: int | None = None  # None: enough for max_batch_size full-length sequences, plus a spare batch for reuse
     kv_cache_quant_algo: str | None = None  # None | "INT8"
     # an unquantized KV cache in bf16 (kv_cache.py; TensorRT-LLM keeps a 16-bit model's in 16 bits), attended on
-    # vdpbf16ps (row_attention_bf16) where the CPU has AVX512-BF16, else its AVX2 build, the same bits (no AVX2:
-    # float32, logged): half the bytes a step's
-    # attention reads, a SmolLM2 step 4-17% faster after 128-1200 cached tokens; greedy texts move as with any
-    # rounding (perplexity: docs/engine.md). On unless REFERENCE_BF16_KV_CACHE=0 (the test suite's default).
+    # vdpbf16ps (row_attention_bf16) where the CPU has AVX512-BF16, else on its AVX2 build, the same bits (no AVX2:
+    # float32, logged): half the bytes a step's attention reads, a SmolLM2 step 4-17% faster after 128-1200 cached
+    # tokens; greedy texts move as with any rounding (perplexity: docs/engine.md). On unless REFERENCE_BF16_KV_CACHE=0
+    # (the test suite's default).
     bf16_kv_cache: bool = field(default_factory=lambda: os.environ.get(BF16_KV_CACHE_ENV, "1") != "0")
     batch_invariant: bool = False  # bitwise batch-independent math (see model.py); exactness tests turn it on
     # float32 int8_sq engines: forwards on the row attention kernel as one C++ call (fused_layers.py), the others with

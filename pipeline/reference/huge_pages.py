@@ -4,8 +4,9 @@ A one-row step reads every int8 weight once, in order: SmolLM2's 120 GEMM weight
 (28 MB). torch allocates them in 4 KB pages on hosts whose transparent huge pages are in "madvise" mode (these
 development hosts), so the stream crosses a page, where a core's hardware prefetcher stops and its TLB misses, every
 4 KB. In 2 MB pages the same forwards ran 0.2-6.6% faster on AMD Zen4, in each of three runs and either of the
-host's memory states (docs/benchmarks.md, "Weights in huge pages"). One buffer, the weights one after another in the order the forward reads
-them: each weight in pages of its own would round up to whole 2 MB pages (SmolLM2's o weight is 0.33 MB).
+host's memory states (docs/benchmarks.md, "Weights in huge pages"). One buffer, the weights one after another in
+the order the forward reads them: each weight in pages of its own would round up to whole 2 MB pages (SmolLM2's o
+weight is 0.33 MB).
 REFERENCE_HUGE_PAGES=0 keeps torch's own allocations.
 """
 

@@ -147,7 +147,9 @@ inline __m256 dot_pair(__m256 acc, __m256 a_even, __m256 a_odd, __m256i b) {
 }
 
 // Word w of a scratch row (`PAIR_WORDS`) on every lane.
-inline __m256 broadcast_word(const uint32_t* row, int64_t w) { return _mm256_castsi256_ps(_mm256_set1_epi32(int(row[w]))); }
+inline __m256 broadcast_word(const uint32_t* row, int64_t w) {
+  return _mm256_castsi256_ps(_mm256_set1_epi32(int(row[w])));
+}
 
 // Scores of P pairs over one group of 16 keys `kb`: as the AVX512-BF16 build's qk_group, 8 keys a register.
 template <int P>
@@ -241,7 +243,8 @@ float probabilities(const float* x, int64_t length, int64_t key_pairs, uint32_t*
     sum_hi = _mm256_add_ps(_mm256_add_ps(sum_hi, a1), b1);
     const __m256 keys[4] = {a0, a1, b0, b1};  // keys j .. j + 31
     for (int g = 0; g < 4; ++g)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j + 8 * g), _mm256_slli_epi32(round_lanes_to_bf16(keys[g]), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(e + j + 8 * g),
+                          _mm256_slli_epi32(round_lanes_to_bf16(keys[g]), 16));
   }
   const __m256 eight = _mm256_add_ps(sum_hi, sum_lo);
   const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
@@ -256,11 +259,10 @@ void query_pairs(const float* x, int64_t D, uint32_t* y) {
 }
 #endif  // __AVX512BF16__
 
-// n (row, query head) pairs over KV head h of one layer's bf16 cache (keys, values): pair p's query q[p] (D / 2
-// bf16 pairs, PAIR_WORDS words each) attends over the keys at slots[0 : len[p]] (whole aligned groups of 16 slots, checked by the
-// caller); its result goes to out[p] [D]. s: score scratch [n][s_stride], e: probability scratch
-// [n][s_stride / 2 * PAIR_WORDS];
-// s_stride the longest length rounded up to 32.
+// n (row, query head) pairs over KV head h of one layer's bf16 cache (keys, values): pair p's query q[p] (D / 2 bf16
+// pairs, PAIR_WORDS words each) attends over the keys at slots[0 : len[p]] (whole aligned groups of 16 slots, checked
+// by the caller); its result goes to out[p] [D]. s: score scratch [n][s_stride], e: probability scratch
+// [n][s_stride / 2 * PAIR_WORDS]; s_stride the longest length rounded up to 32.
 void kv_head(int64_t n, const uint32_t* const* q, const int64_t* len, float* const* out, const uint16_t* keys,
              const uint16_t* values, const int64_t* slots, int64_t h, int64_t KVH, int64_t D, float scale, float* s,
              uint32_t* e, int64_t s_stride) {
