@@ -3,7 +3,7 @@
 write."""
 
 import re
-import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +14,8 @@ from pipeline.reference.linear import Int8PerToken
 from pipeline.reference.model import LlamaModel
 from tests.test_int8_kernels import int8_engines  # noqa: F401 - the int8 engine builds, a fixture
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+linux_only = pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                                reason="needs Linux with transparent huge pages (madvise, /proc/self/smaps)")
 
 
 def vm_flags(address: int) -> list[str]:
