@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.limits import TOKENS_PER_BLOCK
-from pipeline.reference import huge_pages, row_attention
+from pipeline.reference import row_attention
 from pipeline.reference.fused_layers import FusedDenseLayers, FusedInt8Layers
-from pipeline.reference.int8_screen import Int8Screen
 from pipeline.reference.kv_cache import KVCache
 from pipeline.reference.linear import (DenseLinear, Float16Weights, Int8PerToken, Int8WeightOnly, ScreenedOutputLayer,
                                        argmax_output_layer, intra_op_threads, output_layer_16bit, wide_layout)
@@ -201,7 +200,6 @@ class LlamaModel(torch.nn.Module):
                 "gate_up": linear(p + "mlp.", ["gate_proj", "up_proj"]),  # [2 I, hidden]
                 "down": linear(p + "mlp.", ["down_proj"]),
             })
-        self._gather_streamed_weights()
         max_pos = max(config.get("max_position_embeddings", 2048), 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(config))  # [max_pos, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, D]
@@ -213,16 +211,6 @@ class LlamaModel(torch.nn.Module):
         # served model is ready once its first request runs at speed, within serving.stall_timeout_s
         if self.dtype == torch.float32 and row_attention.supports(self.num_heads, self.num_kv_heads, self.head_size):
             row_attention.kernel()
-
-    def _gather_streamed_weights(self) -> None:
-        """The int8 weights a step streams, the GEMMs' in forward order and then the int8 screen's, into one buffer
-        of huge pages (huge_pages.gathered)."""
-        holders = [layer[k].kernel for layer in self.layers for k in ("qkv", "o", "gate_up", "down")
-                   if isinstance(layer[k], Int8PerToken) and layer[k].kernel is not None]
-        if isinstance(self.argmax_layer, Int8Screen):
-            holders.append(self.argmax_layer)
-        for holder, packed in zip(holders, huge_pages.gathered([holder.packed for holder in holders])):
-            holder.packed = packed
 
     # ---------------------------------------------------------------- loading
     @classmethod
