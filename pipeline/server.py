@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cliargs import add_spec_arguments, spec_from_args
-from pipeline.lifecycle import http_get
+from pipeline.lifecycle import Endpoints, http_get
 from pipeline.serving import heartbeat
 from pipeline.serving.drain import DRAIN_ENV, SERVING, drain_path, write_state
 
@@ -157,6 +157,11 @@ class TritonServer:
     def grpc_url(self) -> str:
         """host:port for tritonclient.grpc."""
         return f"{self.host}:{self.grpc_port}"
+
+    def endpoints(self, draft_failure: str = "restart") -> Endpoints:
+        """This server's Endpoints (pipeline.lifecycle: health checks, drain); draft_failure: its spec's
+        serving.draft_failure."""
+        return Endpoints(self.http_url, self.metrics_url, self.model_repository, self.drain_file, draft_failure)
 
     @property
     def metrics_url(self) -> str:
@@ -284,7 +289,7 @@ class TritonServer:
 
 def serve_forever(server: TritonServer, drain_budget_s: float) -> None:
     """Run until Ctrl-C (stops at once) or SIGTERM (drains within `drain_budget_s`, then stops)."""
-    from pipeline.lifecycle import Endpoints, drain
+    from pipeline.lifecycle import drain
 
     stop = {"now": False}
 
@@ -300,8 +305,7 @@ def serve_forever(server: TritonServer, drain_budget_s: float) -> None:
                 if server.process.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {server.process.returncode}\n{server.log_tail()}")
                 time.sleep(0.5)
-            ep = Endpoints(server.http_url, server.metrics_url, server.model_repository, server.drain_file)
-            drain(ep, drain_budget_s, log=lambda line: print(line, flush=True))
+            drain(server.endpoints(), drain_budget_s, log=lambda line: print(line, flush=True))
         except KeyboardInterrupt:
             pass
     print("Triton stopped", flush=True)

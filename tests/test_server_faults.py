@@ -198,7 +198,7 @@ def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, d
     plan, _ = _fault_spec(tmp_path_factory, derived_pair, "dead-draft", stall_timeout_s=STALL_S)
     texts = prompts(6)
     with serving(plan) as (server, repo):
-        ep = Endpoints(server.http_url, server.metrics_url, repo, server.drain_file, "restart")
+        ep = server.endpoints("restart")
         assert check(ep) == []
         assert_a_frozen_stub_is_not_live(ep)
         with TritonClient(server.grpc_url) as client:
@@ -227,7 +227,7 @@ def test_dead_draft_every_request_answers_and_health_says_so(tmp_path_factory, d
         assert "draft model tensorrt_llm_draft is down" in server.log_file.read_text()
         assert any("tensorrt_llm_draft" in r for r in check(ep, live_only=True))
         assert any("tensorrt_llm_draft" in r for r in check(ep))
-        degraded = Endpoints(server.http_url, server.metrics_url, repo, server.drain_file, "degraded")
+        degraded = server.endpoints("degraded")
         assert check(degraded) == []
 
 

@@ -158,12 +158,11 @@ def triton_server_answers(request):
     if "triton_server" not in request.fixturenames:
         return
     from clients.client import ClientError, GenerateRequest, SamplingParams, TritonClient
-    from pipeline.lifecycle import Endpoints, check
+    from pipeline.lifecycle import check
 
     server = request.getfixturevalue("triton_server")
     log = server.spec.out_dir / "tritonserver.log"
-    reasons = check(Endpoints(server.http_url, server.metrics_url, server.repo, server.server.drain_file,
-                              server.spec.serving.draft_failure), live_only=True)
+    reasons = check(server.server.endpoints(server.spec.serving.draft_failure), live_only=True)
     if reasons:
         pytest.exit(f"the shared Triton server is not live before {request.node.nodeid} ({'; '.join(reasons)}); "
                     f"stopping the session: a wedged server fails every later test on its timeout. Its log: {log}",
